@@ -1,0 +1,397 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block in one pass.
+
+Queries come from the block tokens only; keys/values are projections of the fused target
+context followed by the block tokens. One `forward` serves both paths:
+
+* inference: new context features are appended to a `DrafterCache`, one block of queries;
+* training: a whole sequence's context plus many blocks at once, under the mask of `masks.py`.
+
+The drafter owns no embedding and no LM head: the target's, frozen, are used (see `target.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflashkit import masks as masks_mod
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """SPEC §2: n == 1 -> [L // 2]; else evenly from layer 1 to layer L - 3."""
+    L, n = num_target_layers, num_taps
+    if n < 1:
+        raise ValueError(f"num_taps must be >= 1, got {n}")
+    if n == 1:
+        return [L // 2]
+    if L < 4:
+        raise ValueError(f"a target with {L} layers is too shallow for {n} taps")
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Slot-decay constant of the loss: 7 for B=16, 5 for B=10, 4 for B=8 (SPEC §2)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+@dataclass
+class DrafterConfig:
+    """Architecture of a drafter; serialises to the reference `config.json` (a Qwen3 config)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    # Keys of a foreign config.json we do not interpret (bos/eos ids, dtype...), kept on round trip.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"drafter config field '{name}': expected {expected}, got {getattr(self, name)!r}")
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad("layer_types", f"a list of {self.num_hidden_layers} entries (one per layer)")
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise bad("layer_types", f"entries among {LAYER_TYPES}")
+        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise bad("sliding_window", "a positive int when a layer is 'sliding_attention'")
+        if self.block_size < 2:
+            raise bad("block_size", "an int >= 2")
+        if not self.target_layer_ids:
+            raise bad("target_layer_ids", "a non-empty list of target layer indices")
+        if any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise bad("target_layer_ids", f"indices in [0, {self.num_target_layers - 1}] (num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise bad("mask_token_id", f"a token id in [0, {self.vocab_size - 1}]")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    # ---- reference format -------------------------------------------------------------
+    def to_json_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        ids, mask_id = d.pop("target_layer_ids"), d.pop("mask_token_id")
+        ref = {
+            **extra,
+            **d,
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            "use_sliding_window": SLIDING in self.layer_types,
+            "max_window_layers": self.num_hidden_layers,
+            "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": ids},
+        }
+        return dict(sorted(ref.items()))
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
+        d = dict(d)
+        dflash = d.pop("dflash_config", None) or {}
+        if "mask_token_id" not in dflash:
+            raise ValueError(f"{source}: 'dflash_config.mask_token_id' is missing; a drafter needs the id of its mask token")
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise ValueError(f"{source}: rope_scaling {scaling} is not supported (only plain RoPE)")
+        if "target_layer_ids" not in dflash:
+            raise ValueError(f"{source}: 'dflash_config.target_layer_ids' is missing; the layer ids must be stored, never re-derived")
+        required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_target_layers"]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {missing}")
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "target_layer_ids", "mask_token_id")}
+        kwargs = {k: d.pop(k) for k in list(d) if k in known}
+        kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        if "rope_theta" not in kwargs and "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        if kwargs.get("layer_types") is None:
+            kwargs.pop("layer_types", None)
+        for k in ("architectures", "model_type", "hidden_act", "attention_dropout", "rope_scaling", "rope_parameters",
+                  "tie_word_embeddings", "use_sliding_window", "max_window_layers", "auto_map"):
+            d.pop(k, None)
+        try:
+            return cls(**kwargs, target_layer_ids=list(dflash["target_layer_ids"]),
+                       mask_token_id=int(dflash["mask_token_id"]), extra=d)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+# ---- building blocks --------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape [b, 1, t, head_dim] for integer positions [b, t] (Llama/Qwen half-rotation)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [b, t, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer keys/values of the fused context, [b, kv_heads, t, head_dim]. Block keys are
+    never stored: a block is re-drafted every round, the context only grows (or is cropped)."""
+
+    keys: list[Tensor | None]
+    values: list[Tensor | None]
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "DrafterCache":
+        return cls([None] * num_layers, [None] * num_layers)
+
+    def __len__(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` context positions (absolute length, not a count to drop)."""
+        if length > len(self):
+            raise ValueError(f"cannot crop a drafter cache of {len(self)} positions to {length}")
+        self.keys = [None if k is None else k[..., :length, :] for k in self.keys]
+        self.values = [None if v is None else v[..., :length, :] for v in self.values]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any) -> Tensor:
+    """q [b, h, q, d], k/v [b, kv, K, d]; mask: None, bool [b|1, 1, q, K] or a FlexAttention BlockMask."""
+    if masks_mod.is_block_mask(mask):
+        return masks_mod.flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d, kv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
+        self.h, self.kv, self.d = h, kv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_c: tuple[Tensor, Tensor],
+                mask: Any, cache: DrafterCache | None, layer: int) -> Tensor:
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k_blk, v_blk = self._kv(x, *rope_q)
+        k_ctx, v_ctx = self._kv(ctx, *rope_c)
+        if cache is not None:
+            if cache.keys[layer] is not None:
+                k_ctx = torch.cat([cache.keys[layer], k_ctx], dim=-2)
+                v_ctx = torch.cat([cache.values[layer], v_ctx], dim=-2)
+            cache.keys[layer], cache.values[layer] = k_ctx, v_ctx
+        k = torch.cat([k_ctx, k_blk], dim=-2)
+        v = torch.cat([v_ctx, v_blk], dim=-2)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_c, mask, cache, layer: int) -> Tensor:
+        # The context is already normalised by `hidden_norm`; only the block stream is pre-normed.
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_c, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Tensor names equal the reference format (`fc`, `hidden_norm`, `layers.{i}...`, `norm`)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache.empty(self.config.num_hidden_layers)
+
+    def forward(
+        self,
+        block_emb: Tensor,  # [b, q, H] target embeddings of the block tokens (all blocks, concatenated)
+        ctx_features: Tensor,  # [b, c, n_taps * H] raw tapped target features of new context tokens
+        block_pos: Tensor,  # [b, q] positions of block slots (anchor + k)
+        ctx_pos: Tensor,  # [b, c] positions of the new context tokens
+        layer_masks: dict[str, Any],  # layer type -> mask over keys [cached ctx, new ctx, block]
+        cache: DrafterCache | None = None,
+    ) -> Tensor:  # [b, q, H] final hidden states; the target's LM head turns them into logits
+        cfg = self.config
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        x = block_emb.to(ctx.dtype)
+        rope_q = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        rope_c = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], cache, i)
+        return self.norm(x)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def drafter_config_for_target(
+    target_config: Any,
+    mask_token_id: int,
+    *,
+    num_layers: int = 5,
+    num_taps: int = 5,
+    target_layer_ids: list[int] | None = None,
+    block_size: int = 16,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> DrafterConfig:
+    """A drafter shaped like the target's layers (hidden size, heads, RoPE), SPEC §2 defaults."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    L = tc.num_hidden_layers
+    heads = tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(L, num_taps)
+    return DrafterConfig(
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        vocab_size=tc.vocab_size,
+        num_target_layers=L,
+        target_layer_ids=ids,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=float(theta),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 40960),
+        layer_types=list(layer_types) if layer_types else [],
+        sliding_window=sliding_window,
+    )
+
+
+# ---- the two paths ------------------------------------------------------------------------
+
+
+def block_token_ids(anchor_tokens: Tensor, block_size: int, mask_token_id: int) -> Tensor:
+    """[b, n] anchor tokens -> [b, n * B] blocks `[anchor, MASK x (B-1)]`."""
+    ids = torch.full((*anchor_tokens.shape, block_size), mask_token_id, dtype=torch.long, device=anchor_tokens.device)
+    ids[..., 0] = anchor_tokens
+    return ids.flatten(-2)
+
+
+def draft_block(drafter: DFlashDrafter, embed, cache: DrafterCache, new_features: Tensor, bonus: Tensor) -> Tensor:
+    """Inference path: append the features of the newly verified tokens to the cache, then run
+    one block `[bonus, MASK...]` at the bonus token's position (= the cache length afterwards).
+
+    new_features: [b, c, n_taps * H]; bonus: [b]. Returns hidden states [b, B, H]; slot k
+    predicts the token at position start + k (slot 0 is the bonus itself)."""
+    cfg = drafter.config
+    b, c = new_features.shape[:2]
+    start = len(cache) + c
+    dev = new_features.device
+    emb = embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
+    ctx_pos = torch.arange(len(cache), start, device=dev).expand(b, -1)
+    blk_pos = (start + torch.arange(cfg.block_size, device=dev)).expand(b, -1)
+    lm = masks_mod.inference_masks(start, start, cfg.block_size, cfg.layer_types, cfg.sliding_window, b, dev)
+    return drafter(emb, new_features, blk_pos, ctx_pos, lm, cache)
+
+
+def training_hidden(drafter: DFlashDrafter, embed, input_ids: Tensor, features: Tensor, anchors: Tensor,
+                    ctx_valid: Tensor | None = None, backend: str = "sdpa") -> Tensor:
+    """Training path: whole-sequence context, `n` blocks per sequence at once.
+
+    input_ids [b, T]; features [b, T, n_taps * H] (token t's taps, fed to `fc`);
+    anchors [b, n]. Returns hidden states [b, n * B, H] (block j's slot k at j * B + k)."""
+    cfg = drafter.config
+    b, T = input_ids.shape
+    if ctx_valid is None:
+        ctx_valid = torch.ones(b, T, dtype=torch.bool, device=input_ids.device)
+    emb = embed(block_token_ids(input_ids.gather(1, anchors), cfg.block_size, cfg.mask_token_id))
+    layout = masks_mod.training_layout(anchors, cfg.block_size, ctx_valid)
+    lm = masks_mod.layer_masks(layout, cfg.layer_types, cfg.sliding_window, backend)
+    ctx_pos = torch.arange(T, device=input_ids.device).expand(b, -1)
+    return drafter(emb, features, masks_mod.block_positions(anchors, cfg.block_size), ctx_pos, lm)

@@ -1,0 +1,141 @@
+"""Who may attend to whom in the drafter (SPEC §2, "Training attention").
+
+A query is a block slot; it belongs to the block of anchor `a`. It sees
+
+* context positions `< a` (strictly: the anchor's own features do not exist yet at inference),
+  bounded below by `a - sliding_window` in sliding layers;
+* every slot of its own block (bidirectional);
+* nothing of any other block, and never padding.
+
+One predicate, `visible`, states this rule. The dense boolean mask (SDPA, CPU) and the
+block-sparse FlexAttention mask (GPU) are both evaluations of it, and the inference path builds
+its mask from the same layout, so training and inference cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CTX = -1  # key id of a context token
+PAD = -2  # key id of padding: visible to nobody
+
+try:  # FlexAttention: torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention as _flex
+except ImportError:  # pragma: no cover - old torch
+    BlockMask, create_block_mask, _flex = None, None, None
+
+
+@dataclass
+class Layout:
+    """Queries are block slots; keys are [context tokens..., block slots...] of one attention call."""
+
+    q_anchor: Tensor  # [b, q] anchor position of each query's block
+    q_block: Tensor  # [b, q] block index of each query
+    k_pos: Tensor  # [b, K] position of each key
+    k_block: Tensor  # [b, K] CTX for context keys, block index for block keys, PAD for padding
+
+
+def visible(q_anchor: Tensor, q_block: Tensor, k_pos: Tensor, k_block: Tensor, window: int | None) -> Tensor:
+    """The attention rule, elementwise on broadcastable tensors."""
+    ctx = (k_block == CTX) & (k_pos < q_anchor)
+    if window is not None:
+        ctx = ctx & (k_pos >= q_anchor - window)
+    return ctx | ((k_block == q_block) & (k_block >= 0))
+
+
+def dense_mask(layout: Layout, window: int | None) -> Tensor:
+    """bool [b, 1, q, K], True where attention is allowed."""
+    m = visible(layout.q_anchor[:, :, None], layout.q_block[:, :, None],
+                layout.k_pos[:, None, :], layout.k_block[:, None, :], window)
+    return m[:, None]
+
+
+def flex_block_mask(layout: Layout, window: int | None) -> Any:
+    """The same rule as a block-sparse FlexAttention mask (skips fully hidden 128x128 tiles)."""
+    if create_block_mask is None:
+        raise RuntimeError("FlexAttention needs torch >= 2.5; use attention backend 'sdpa'")
+    qa, qb, kp, kb = layout.q_anchor, layout.q_block, layout.k_pos, layout.k_block
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return visible(qa[b, q_idx], qb[b, q_idx], kp[b, kv_idx], kb[b, kv_idx], window)
+
+    b, q = qa.shape
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q, KV_LEN=kp.shape[1], device=qa.device)
+
+
+def is_block_mask(mask: Any) -> bool:
+    return BlockMask is not None and isinstance(mask, BlockMask)
+
+
+@lru_cache(maxsize=None)
+def _compiled_flex():
+    return torch.compile(_flex, dynamic=False)
+
+
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    # Compiled on GPU (fused kernel); eager elsewhere (a reference implementation, for tests).
+    fn = _compiled_flex() if q.is_cuda else _flex
+    return fn(q, k, v, **kwargs)
+
+
+def layer_masks(layout: Layout, layer_types: list[str], window: int | None, backend: str = "sdpa") -> dict[str, Any]:
+    """One mask per distinct layer type ('full_attention' / 'sliding_attention')."""
+    build = {"sdpa": dense_mask, "flex": flex_block_mask}.get(backend)
+    if build is None:
+        raise ValueError(f"attention backend: expected 'sdpa' or 'flex', got {backend!r}")
+    return {t: build(layout, window if t == "sliding_attention" else None) for t in set(layer_types)}
+
+
+# ---- the two paths' layouts ----------------------------------------------------------------
+
+
+def block_positions(anchors: Tensor, block_size: int) -> Tensor:
+    """[b, n] anchors -> [b, n * B] slot positions anchor + k: the anchor keeps its own position."""
+    k = torch.arange(block_size, device=anchors.device)
+    return (anchors[..., None] + k).flatten(-2)
+
+
+def training_layout(anchors: Tensor, block_size: int, ctx_valid: Tensor) -> Layout:
+    """Whole-sequence context plus `n` blocks per sequence.
+
+    anchors: [b, n] anchor positions (padding blocks may hold any position: their loss is masked);
+    ctx_valid: bool [b, T], False on padded context positions.
+    """
+    b, n = anchors.shape
+    T = ctx_valid.shape[1]
+    dev = anchors.device
+    blk = torch.arange(n, device=dev).repeat_interleave(block_size).expand(b, -1)
+    ctx_pos = torch.arange(T, device=dev).expand(b, -1)
+    ctx_id = torch.where(ctx_valid, CTX, PAD)
+    return Layout(
+        q_anchor=anchors.repeat_interleave(block_size, dim=1),
+        q_block=blk,
+        k_pos=torch.cat([ctx_pos, block_positions(anchors, block_size)], dim=1),
+        k_block=torch.cat([ctx_id, blk], dim=1),
+    )
+
+
+def inference_layout(context_len: int, start: int, block_size: int, batch: int = 1, device: Any = None) -> Layout:
+    """One block at `start` over a context cache holding positions [0, context_len).
+
+    At inference `context_len == start`: the bonus token's features are not yet known."""
+    q_anchor = torch.full((batch, block_size), start, device=device)
+    k_pos = torch.cat([torch.arange(context_len, device=device), start + torch.arange(block_size, device=device)])
+    k_block = torch.cat([torch.full((context_len,), CTX, device=device), torch.zeros(block_size, dtype=torch.long, device=device)])
+    return Layout(q_anchor, torch.zeros_like(q_anchor), k_pos.expand(batch, -1), k_block.expand(batch, -1))
+
+
+def inference_masks(context_len: int, start: int, block_size: int, layer_types: list[str], window: int | None,
+                    batch: int = 1, device: Any = None) -> dict[str, Any]:
+    """Masks for one inference block. A full layer sees every key (the cache holds exactly the
+    positions before `start`), so it gets `None` and SDPA runs unmasked; tests check that the
+    dense rule agrees."""
+    if context_len != start:
+        raise ValueError(f"drafter cache holds {context_len} positions but the block starts at {start}")
+    layout = inference_layout(context_len, start, block_size, batch, device)
+    return {t: (dense_mask(layout, window) if t == "sliding_attention" else None) for t in set(layer_types)}

@@ -1,0 +1,219 @@
+"""The target model, seen through the only doors a drafter needs.
+
+* `embed` / `lm_head`: the target's frozen embedding and LM head (the drafter has none).
+* `forward`: logits plus *only* the tapped layers' features. Tap `k` is the output of decoder
+  layer `k`, i.e. `output_hidden_states[k + 1]` (index 0 is the embedding output). Taps are
+  captured by forward hooks, so the other layers' hidden states are never kept alive.
+* a KV cache that we crop and compact ourselves (`crop_cache`, `select_cache`): Transformers'
+  own cache semantics change between releases (SPEC §6).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor | None  # [b, t, V]
+    features: Tensor  # [b, t, n_taps * H], taps concatenated in the order asked for
+    cache: Any  # transformers Cache (or None)
+
+
+class Target:
+    """A frozen Hugging Face causal LM with tap access."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str = "target") -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.layers = _decoder_layers(model)
+        self.final_norm = _final_norm(model)
+
+    # ---- shape facts -----------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    # ---- frozen pieces shared with the drafter ------------------------------------------
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        head = self.model.get_output_embeddings()
+        return head(hidden.to(head.weight.dtype))
+
+    # ---- forward with taps -------------------------------------------------------------
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range: {self.name} has {self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,  # [b, t]
+        layer_ids: list[int],
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: Any = None,
+        logits: bool = True,
+    ) -> TargetOutput:
+        self.check_layer_ids(layer_ids)
+        captured: dict[int, Tensor] = {}
+        last = self.num_layers - 1
+
+        def hook(idx: int):
+            def fn(_mod, _args, out):
+                h = out[0] if isinstance(out, tuple) else out
+                # Transformers reports the last layer's output after the final norm.
+                captured[idx] = self.final_norm(h) if idx == last else h
+            return fn
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+        try:
+            kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids,
+                                          attention_mask=attention_mask, use_cache=cache is not None)
+            if cache is not None:
+                kwargs["past_key_values"] = cache
+            if logits:
+                out = self.model(**kwargs)
+                lg = out.logits
+            else:  # skip the LM head: the base model alone
+                out = self.model.get_decoder()(**kwargs)
+                lg = None
+        finally:
+            for h in handles:
+                h.remove()
+        feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        return TargetOutput(lg, feats, cache)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(dec, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (expected `model.model.layers`)")
+    return layers
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    norm = getattr(dec, "norm", None) or getattr(dec, "final_layernorm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the final norm of its decoder")
+    return norm
+
+
+# ---- KV cache we own -----------------------------------------------------------------------
+
+
+def _cache_layers(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"unsupported KV cache {type(cache).__name__}: expected a transformers>=5 Cache with .layers")
+    for layer in layers:
+        if not hasattr(layer, "keys"):
+            raise TypeError(f"cache layer {type(layer).__name__} holds no keys/values (recurrent state cannot be rolled back)")
+    return layers
+
+
+def cache_length(cache: Any) -> int:
+    for layer in _cache_layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            return layer.keys.shape[-2]
+    return 0
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first `length` positions of every layer (absolute length)."""
+    for layer in _cache_layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def select_cache(cache: Any, start: int, keep: Tensor) -> None:
+    """Keep positions [0, start) plus `start + keep` (indices into what was appended at `start`),
+    packed contiguously: compacts a verified draft tree to its accepted path."""
+    for layer in _cache_layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            idx = torch.cat([torch.arange(start, device=keep.device), start + keep])
+            layer.keys = layer.keys.index_select(-2, idx.to(layer.keys.device))
+            layer.values = layer.values.index_select(-2, idx.to(layer.values.device))
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+
+def load_target(
+    name_or_path: str | Path | None = None,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+    local_files_only: bool | None = None,
+) -> Target:
+    """Load a target: a local directory, a hub id (only when online), a `.gguf` file, or, with
+    no name, the embedded default (SmolLM2-135M-Instruct, see `testbed.py`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
+        from dflashkit.testbed import smollm2_dir
+
+        name_or_path = smollm2_dir()
+    path = Path(str(name_or_path)).expanduser()
+    if path.suffix == ".gguf" and gguf_file is None:
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file {path} does not exist")
+        path, gguf_file = path.parent, path.name
+    src = str(path) if path.exists() else str(name_or_path)
+    if not path.exists() and ("/" not in src or src.startswith((".", "/", "~"))):
+        raise FileNotFoundError(f"target '{name_or_path}': no such directory, and it does not look like a hub id (org/name)")
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    if dtype == "auto":
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    kw: dict[str, Any] = {}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    if local_files_only is not None:
+        kw["local_files_only"] = local_files_only
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
+    except OSError as e:
+        raise OSError(f"could not load target '{name_or_path}': {e}\n"
+                      "A hub id needs network access; offline, pass a local directory or a .gguf file.") from None
+    return Target(model.to(device), tok, name=str(name_or_path))

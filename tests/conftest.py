@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny random target for plumbing, the real SmolLM2 testbed for behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+from dflashkit.target import Target
+
+
+def make_tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 128, seed: int = 0) -> Target:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return Target(LlamaForCausalLM(cfg).float(), None, name="tiny-llama")
+
+
+def make_tiny_drafter(target: Target, seed: int = 1, **kw) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    kw.setdefault("num_layers", 2)
+    kw.setdefault("num_taps", 3)
+    kw.setdefault("block_size", 8)
+    return DFlashDrafter(drafter_config_for_target(target.config, mask_token_id=target.vocab_size - 1, **kw)).float()
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Target:
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Target:
+    from dflashkit.target import load_target
+
+    return load_target()
