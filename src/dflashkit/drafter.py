@@ -395,3 +395,21 @@ def training_hidden(drafter: DFlashDrafter, embed, input_ids: Tensor, features: 
     lm = masks_mod.layer_masks(layout, cfg.layer_types, cfg.sliding_window, backend)
     ctx_pos = torch.arange(T, device=input_ids.device).expand(b, -1)
     return drafter(emb, features, masks_mod.block_positions(anchors, cfg.block_size), ctx_pos, lm)
+
+
+def new_drafter(target: Any, settings: Any) -> DFlashDrafter:
+    """A fresh drafter for `target` (a `dflashkit.target.Target`) from `config.DrafterSettings`."""
+    from dflashkit.vocab import default_mask_token_id
+
+    mask_id = settings.mask_token_id
+    if mask_id is None:
+        if target.tokenizer is None:
+            raise ValueError("drafter.mask_token_id: the target has no tokenizer; set the mask token id explicitly")
+        mask_id = default_mask_token_id(target.tokenizer, target.vocab_size, getattr(target.model, "generation_config", None))
+    if settings.target_layer_ids is not None:
+        target.check_layer_ids(settings.target_layer_ids)
+    cfg = drafter_config_for_target(
+        target.config, mask_id, num_layers=settings.num_layers, num_taps=settings.num_taps,
+        target_layer_ids=settings.target_layer_ids, block_size=settings.block_size,
+        layer_types=settings.layer_types, sliding_window=settings.sliding_window)
+    return DFlashDrafter(cfg).to(device=target.device, dtype=target.dtype)

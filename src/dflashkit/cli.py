@@ -1,0 +1,61 @@
+"""`dflashkit <stage>`: one command per pipeline stage (SPEC §1).
+
+Each stage lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
+modules are imported only when their command runs, so `dflashkit --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# command -> (module, one-line help). Order follows the pipeline.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("dflashkit.commands", "print the default configuration (YAML), with overrides applied"),
+    "draft": ("dflashkit.commands", "load a target, draft one block for a prompt with a (possibly untrained) drafter"),
+}
+
+
+def _handler(module: str, command: str):
+    """(add_arguments, run) of a command: `<cmd>_arguments`/`run_<cmd>` when a module holds
+    several commands, else the module's `add_arguments`/`run`."""
+    mod = importlib.import_module(module)
+    name = command.replace("-", "_")
+    return (getattr(mod, f"{name}_arguments", None) or mod.add_arguments,
+            getattr(mod, f"run_{name}", None) or mod.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="dflashkit",
+        description="Train, evaluate and serve DFlash block-diffusion drafters for speculative decoding.",
+        epilog="Run `dflashkit COMMAND --help` for a command's options.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, description=help_).set_defaults(_module=module)
+    # Only the chosen command's module is imported to add its arguments.
+    cmd = next((a for a in argv if a in COMMANDS), None)
+    if cmd is not None:
+        add, _ = _handler(COMMANDS[cmd][0], cmd)
+        add(sub.choices[cmd])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    _, run = _handler(args._module, args.command)
+    try:
+        return int(run(args) or 0)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        if args.verbose:
+            raise
+        print(f"dflashkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

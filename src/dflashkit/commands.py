@@ -1,0 +1,78 @@
+"""Small commands that belong to no single pipeline stage."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """`--config FILE` plus trailing `section.field=value` overrides, shared by config-driven commands."""
+    p.add_argument("--config", metavar="FILE", help="YAML config (sections: target, drafter, data, train, eval)")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="override a config field")
+
+
+def config_from_args(args: argparse.Namespace):
+    from dflashkit.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def config_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_options(p)
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from dflashkit.config import dump_config
+
+    print(dump_config(config_from_args(args)), end="")
+    return 0
+
+
+def draft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")
+    p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (default: a fresh, untrained one)")
+    add_config_options(p)
+
+
+def run_draft(args: argparse.Namespace) -> int:
+    """Prefill the prompt, draft one block, and compare with the target's own greedy tokens."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.drafter import draft_block, new_drafter
+    from dflashkit.target import load_target
+
+    cfg = config_from_args(args)
+    t0 = time.perf_counter()
+    target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
+                         device=resolve_device(cfg.target.device))
+    drafter = load_drafter(args.drafter, target) if args.drafter else new_drafter(target, cfg.drafter)
+    drafter = drafter.to(device=target.device, dtype=target.dtype)
+    print(f"target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size} "
+          f"(loaded in {time.perf_counter() - t0:.1f}s)")
+    dc = drafter.config
+    print(f"drafter: {dc.num_hidden_layers} layers, taps {dc.target_layer_ids}, block {dc.block_size}, "
+          f"mask token {dc.mask_token_id} ({target.tokenizer.convert_ids_to_tokens(dc.mask_token_id)!r}), "
+          f"{drafter.num_parameters() / 1e6:.1f}M parameters{'' if args.drafter else ' (untrained)'}")
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"].to(target.device)
+    with torch.no_grad():
+        out = target.forward(ids, dc.target_layer_ids)
+        bonus = out.logits[:, -1].argmax(-1)
+        # Features of the prompt go to the drafter; the bonus token is the block's anchor.
+        hidden = draft_block(drafter, target.embed, drafter.new_cache(), out.features, bonus)
+        draft = target.lm_head(hidden)[:, 1:].argmax(-1)
+        greedy = target.model.generate(ids, max_new_tokens=dc.block_size, do_sample=False)[:, ids.shape[1]:]
+    accepted = int((draft[0] == greedy[0, 1:dc.block_size]).long().cumprod(0).sum())
+    dec = target.tokenizer.decode
+    print(f"target greedy : {dec(greedy[0])!r}")
+    print(f"drafted block : {dec(bonus)!r} + {dec(draft[0])!r}")
+    print(f"acceptance length of this block: {accepted + 1} (bonus token included)")
+    return 0

