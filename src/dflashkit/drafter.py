@@ -141,7 +141,7 @@ class DrafterConfig:
         if kwargs.get("layer_types") is None:
             kwargs.pop("layer_types", None)
         for k in ("architectures", "model_type", "hidden_act", "attention_dropout", "rope_scaling", "rope_parameters",
-                  "tie_word_embeddings", "use_sliding_window", "max_window_layers", "auto_map"):
+                  "tie_word_embeddings", "use_sliding_window", "max_window_layers", "auto_map", "dtype", "torch_dtype"):
             d.pop(k, None)
         try:
             return cls(**kwargs, target_layer_ids=list(dflash["target_layer_ids"]),

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ class Target:
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layers = _decoder_layers(model)
         self.final_norm = _final_norm(model)
+        # transformers renamed `past_key_values` to `cache` (5.24 warns); use what this version takes.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     # ---- shape facts -----------------------------------------------------------------
     @property
@@ -101,7 +104,7 @@ class Target:
             kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids,
                                           attention_mask=attention_mask, use_cache=cache is not None)
             if cache is not None:
-                kwargs["past_key_values"] = cache
+                kwargs[self._cache_kwarg] = cache
             if logits:
                 out = self.model(**kwargs)
                 lg = out.logits

@@ -1,0 +1,144 @@
+"""Reference checkpoint format: round trip, foreign directories, and one clear error per defect."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tiny_drafter
+from dflashkit.checkpoint import CheckpointError, load_drafter, save_drafter
+from dflashkit.drafter import draft_block
+
+REFERENCE_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+    f"layers.{{i}}.{n}" for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"), "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))]
+
+
+def _logits(drafter, target, seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randint(3, 120, (1, 14))
+    feats = target.forward(ids, drafter.config.target_layer_ids).features
+    return target.lm_head(draft_block(drafter, target.embed, drafter.new_cache(), feats[:, :10], ids[:, 10]))
+
+
+def test_round_trip_bit_exact(tiny_target, tmp_path):
+    d = make_tiny_drafter(tiny_target)
+    save_drafter(d, tmp_path / "ck", training_state={"step": 7})
+    d2 = load_drafter(tmp_path / "ck", tiny_target)
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, d2.state_dict()[k]), k
+    assert d2.config == d.config
+    torch.testing.assert_close(_logits(d, tiny_target), _logits(d2, tiny_target), atol=0, rtol=0)
+    names = set(load_file(str(tmp_path / "ck" / "model.safetensors")))
+    expected = {n.format(i=i) for n in REFERENCE_NAMES for i in range(d.config.num_hidden_layers)}
+    assert names == expected
+
+
+def _reference_dir(tmp_path, target, n_layers=2, ids=(1, 3, 4), H=64, mask_id=127, **overrides):
+    """A directory as a reference tool writes it: Qwen3 config + DFlash fields, random tensors."""
+    tc = target.config
+    heads, kv, hd, inter = 4, 2, 16, 128
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 8, "bos_token_id": 1,
+        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(ids)}, "dtype": "float32",
+        "eos_token_id": 2, "head_dim": hd, "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02,
+        "intermediate_size": inter, "layer_types": ["full_attention"] * n_layers, "max_position_embeddings": 512,
+        "max_window_layers": n_layers, "model_type": "qwen3", "num_attention_heads": heads, "num_hidden_layers": n_layers,
+        "num_key_value_heads": kv, "num_target_layers": tc.num_hidden_layers, "rms_norm_eps": 1e-6, "rope_scaling": None,
+        "rope_theta": 10000.0, "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "4.57.1",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 128,
+    }
+    cfg.update(overrides)
+    shapes = {"fc.weight": (H, len(ids) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                   p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                   p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                   p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                   p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                   p + "mlp.down_proj.weight": (H, inter)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(s, generator=g) * 0.05 + (1.0 if len(s) == 1 else 0.0) for k, s in shapes.items()}
+    d = tmp_path / "ref"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(d / "model.safetensors"))
+    return d, tensors
+
+
+def test_foreign_reference_directory_loads_and_matches(tiny_target, tmp_path):
+    d, tensors = _reference_dir(tmp_path, tiny_target)
+    drafter = load_drafter(d, tiny_target)
+    assert drafter.config.target_layer_ids == [1, 3, 4] and drafter.config.block_size == 8
+    # the in-memory model built from the same tensors gives the same logits
+    from dflashkit.drafter import DFlashDrafter
+
+    mem = DFlashDrafter(drafter.config)
+    mem.load_state_dict(tensors)
+    torch.testing.assert_close(_logits(drafter, tiny_target), _logits(mem, tiny_target), atol=0, rtol=0)
+    # and re-saving keeps foreign keys we do not interpret
+    save_drafter(drafter, tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["initializer_range"] == 0.02 and again["dflash_config"]["target_layer_ids"] == [1, 3, 4]
+
+
+@pytest.mark.parametrize("defect,match", [
+    ("missing_tensor", r"missing tensors \['layers.1.mlp.up_proj.weight'\]"),
+    ("unexpected_tensor", r"unexpected tensors \['lm_head.weight'\]"),
+    ("wrong_shape", r"fc.weight: expected \(64, 192\), got \(64, 128\)"),
+    ("layer_id_out_of_range", r"target_layer_ids"),
+    ("hidden_size", r"hidden_size 32 != target hidden size 64"),
+    ("vocab", r"vocab_size 200 != target vocabulary 128"),
+    ("no_mask_token", r"mask_token_id' is missing"),
+    ("no_config", r"no config.json"),
+])
+def test_malformed_checkpoints(tiny_target, tmp_path, defect, match):
+    d, tensors = _reference_dir(tmp_path, tiny_target)
+    cfg = json.loads((d / "config.json").read_text())
+    if defect == "missing_tensor":
+        del tensors["layers.1.mlp.up_proj.weight"]
+    elif defect == "unexpected_tensor":
+        tensors["lm_head.weight"] = torch.zeros(128, 64)
+    elif defect == "wrong_shape":
+        tensors["fc.weight"] = torch.zeros(64, 128)
+    elif defect == "layer_id_out_of_range":
+        cfg["dflash_config"]["target_layer_ids"] = [1, 3, 9]
+    elif defect == "hidden_size":
+        d, tensors = _reference_dir(tmp_path, tiny_target, H=32)
+        cfg = json.loads((d / "config.json").read_text())
+    elif defect == "vocab":
+        cfg["vocab_size"] = 200
+    elif defect == "no_mask_token":
+        del cfg["dflash_config"]["mask_token_id"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(d / "model.safetensors"))
+    if defect == "no_config":
+        (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=match):
+        load_drafter(d, tiny_target)
+
+
+@pytest.mark.slow
+def test_mask_token_rules_smollm2(smollm2, tmp_path):
+    from dflashkit.config import DrafterSettings
+    from dflashkit.drafter import new_drafter
+    from dflashkit.vocab import default_mask_token_id, mask_token_problems
+
+    tok = smollm2.tokenizer
+    mask = default_mask_token_id(tok, smollm2.vocab_size)
+    assert mask == 16 and tok.convert_ids_to_tokens(mask) == "<empty_output>"
+    for bad in (0, 1, 2):  # UNK, BOS (<|im_start|>), EOS = PAD (<|im_end|>)
+        assert mask_token_problems(bad, tok, smollm2.vocab_size), bad
+    assert "ordinary text token" in mask_token_problems(tok.convert_tokens_to_ids("the"), tok, smollm2.vocab_size)[0]
+    drafter = new_drafter(smollm2, DrafterSettings(num_layers=1, num_taps=2))
+    drafter.config.mask_token_id = 2
+    save_drafter(drafter, tmp_path / "eos")
+    with pytest.raises(CheckpointError, match="BOS/EOS/PAD/stop token"):
+        load_drafter(tmp_path / "eos", smollm2)

@@ -1,0 +1,61 @@
+"""Typed configuration: SPEC defaults, YAML + overrides, one readable line per bad field."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflashkit.cli import main
+from dflashkit.config import ConfigError, load_config
+from dflashkit.drafter import default_gamma, default_target_layer_ids
+
+
+def test_defaults_are_the_recipe():
+    c = load_config()
+    assert (c.train.lr, c.train.weight_decay, c.train.warmup_ratio, c.train.grad_clip) == (6e-4, 0.0, 0.04, 1.0)
+    assert c.train.anchors_per_seq == 512 and c.drafter.block_size == 16 and c.train.loss == "ce"
+    assert c.train.feature_noise == 0.0
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+
+
+def test_default_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(30, 1) == [15]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 1.0e-4\n  batch_size: 4\ndrafter:\n  num_layers: 2\n")
+    c = load_config(f, ["train.lr=3e-4", "drafter.layer_types=[full_attention, sliding_attention]", "drafter.sliding_window=64"])
+    assert c.train.lr == 3e-4 and c.train.batch_size == 4 and c.drafter.layer_types[1] == "sliding_attention"
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.lr=fast", r"field 'train.lr'.*valid number.*'fast'"),
+    ("train.lrr=1", r"unknown field 'train.lrr'"),
+    ("drafter.block_size=1", r"field 'drafter.block_size'.*greater than or equal to 2"),
+    ("train.loss=mse", r"field 'train.loss'.*'ce', 'kl' or 'dpace'"),
+    ("lr=1", r"expected section.field=value"),
+    ("drafter.layer_types=[sliding_attention,full_attention,full_attention,full_attention,full_attention]",
+     r"sliding_window must be set"),
+])
+def test_bad_fields_name_the_field(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_bad_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: expected a mapping"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_config_prints_and_fails_cleanly(capsys):
+    assert main(["config", "train.lr=0.001"]) == 0
+    assert "lr: 0.001" in capsys.readouterr().out
+    assert main(["config", "train.lr=x"]) == 1
+    err = capsys.readouterr().err
+    assert "train.lr" in err and "Traceback" not in err
