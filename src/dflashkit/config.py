@@ -50,6 +50,7 @@ class DataConfig(_Section):
     prompts: str = Field("builtin", description="'builtin', 'humaneval', a JSONL/JSON/Parquet file or a datasets name")
     limit: int | None = Field(None, ge=1)
     regenerated: str | None = Field(None, description="JSONL of target-written answers (output of `regenerate`)")
+    tokenized: str | None = Field(None, description="JSONL of token ids + loss masks (output of `tokenize`)")
     features: str | None = Field(None, description="feature cache dir (output of `extract`); None = online")
     feature_dtype: Literal["bfloat16", "float16", "float32", "fp8"] = "bfloat16"
     max_length: int = Field(2048, ge=8)
@@ -58,6 +59,7 @@ class DataConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     thinking: bool = Field(False, description="passed to the chat template as enable_thinking")
     batch_size: int = Field(8, ge=1)
+    seed: int = Field(0, description="sampling seed of `regenerate` when temperature > 0")
 
 
 class TrainConfig(_Section):
