@@ -1,0 +1,241 @@
+"""Chat template, assistant-only loss mask and truncation: conversations -> training token ids.
+
+The loss mask is found without generation tags (`{% generation %}`), which most templates lack.
+For assistant turn `i`, the template's own rendering of `messages[:i]` with the generation prompt
+is the text the target saw before it answered; the supervised span starts right after it and ends
+with the answer's text. When a template rewrites earlier turns (Qwen3 drops the reasoning of past
+turns), that prefix is not a prefix of the whole conversation and the answer's visible text is
+searched for instead. The first token after the answer (the end-of-turn token the target emitted to
+stop) is supervised too, unless the answer was cut by `max_new_tokens`.
+
+Token ids are built piece by piece (context, answer, context, ...), each piece tokenised on its
+own: the prompt piece is then exactly what `regenerate` fed the target, and no token straddles a
+mask boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizedSample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 = supervised (assistant) token
+
+
+@dataclass
+class TokenizeStats:
+    conversations: int = 0
+    written: int = 0
+    truncated: int = 0  # written, but cut to max_length
+    dropped_unsupervised: int = 0  # fewer than two consecutive supervised tokens (after truncation)
+    tokens: int = 0
+    supervised_tokens: int = 0
+    problems: list[str] = field(default_factory=list)  # malformed input records, "file:line: why"
+
+
+class ChatTemplateError(ValueError):
+    """A conversation whose assistant turns cannot be located in the template's rendering."""
+
+
+def load_tokenizer(name_or_path: str | Path | None = None, gguf_file: str | None = None) -> Any:
+    """The target's tokenizer alone (same path rules as `target.load_target`)."""
+    from transformers import AutoTokenizer
+
+    if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
+        from dflashkit.testbed import smollm2_dir
+
+        name_or_path = smollm2_dir()
+    path = Path(str(name_or_path)).expanduser()
+    if path.suffix == ".gguf" and gguf_file is None:
+        path, gguf_file = path.parent, path.name
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(str(path) if path.exists() else str(name_or_path), **kw)
+
+
+def render(tokenizer: Any, messages: list[dict], *, thinking: bool = False, generation_prompt: bool = False) -> str:
+    """The chat template's text; `thinking` is passed as `enable_thinking` (ignored by templates without it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         enable_thinking=thinking)
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict], *, thinking: bool = False) -> list[int]:
+    """Token ids the target reads before answering `messages` (which end with a user turn)."""
+    return encode(tokenizer, render(tokenizer, messages, thinking=thinking, generation_prompt=True))
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    # The template writes BOS and special tokens itself, as apply_chat_template(tokenize=True) assumes.
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _find_answer(text: str, content: str, start: int) -> tuple[int, int]:
+    """[start, end) of the answer's text in `text` at or after `start`: the part after its
+    reasoning block, as written (templates that trim it are matched trimmed); (-1, -1) if absent."""
+    answer = content.split("</think>")[-1].lstrip()
+    for cand in (answer, answer.rstrip()):
+        a = text.find(cand, start)
+        if a >= 0:
+            return a, a + len(cand)
+    return -1, -1
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict], *, thinking: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character span of every assistant answer."""
+    text = render(tokenizer, messages, thinking=thinking)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":  # step over it, so that an answer is never matched inside a prompt
+            j = text.find(m["content"].strip(), cursor)
+            cursor = j + len(m["content"].strip()) if j >= 0 else cursor
+            continue
+        prefix = render(tokenizer, messages[:i], thinking=thinking, generation_prompt=True) if i else ""
+        # From the live prompt's end (keeps a reasoning block in the span); a template that renders
+        # history differently from a live prompt (Qwen3 drops past reasoning) lets us start at the answer only.
+        live = bool(i) and text.startswith(prefix) and len(prefix) >= cursor
+        a, end = _find_answer(text, m["content"], len(prefix) if live else cursor)
+        if a < 0:
+            raise ChatTemplateError(f"assistant turn {i}: its text does not appear in the chat template's rendering "
+                                    "(the template rewrites answers); cannot build a loss mask")
+        spans.append((len(prefix) if live else a, end))
+        cursor = end
+    return text, spans
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], *, max_length: int, thinking: bool = False,
+                          supervise_end: bool = True, id: str = "") -> TokenizedSample | None:
+    """Token ids + assistant-only loss mask, cut to `max_length`; None when fewer than two
+    consecutive tokens stay supervised (no anchor could be drawn from it).
+
+    `supervise_end`: also supervise the token that follows each answer (the end-of-turn token);
+    pass False when the answer was cut by a length limit, as the target never emitted it."""
+    text, spans = assistant_spans(tokenizer, messages, thinking=thinking)
+    bounds = [0, *[x for s in spans for x in s], len(text)]
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        toks = encode(tokenizer, text[lo:hi])
+        if k % 2:  # an answer
+            m = [1] * len(toks)
+        else:
+            m = [0] * len(toks)
+            if k and supervise_end and toks:
+                m[0] = 1
+        ids += toks
+        mask += m
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(a and b for a, b in zip(mask, mask[1:])):
+        return None
+    return TokenizedSample(id=id, input_ids=ids, loss_mask=mask)
+
+
+def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str | Path, *, max_length: int,
+                  thinking: bool = False, limit: int | None = None) -> TokenizeStats:
+    """Tokenise a JSONL of conversations (the output of `regenerate`, or any `messages` JSONL) into
+    `out_jsonl` ({"id", "input_ids", "loss_mask"} per line), written atomically.
+
+    Malformed lines are skipped and listed in `stats.problems` with their file and line number."""
+    from dflashkit.data.prompts import load_prompts_report
+
+    convs, problems = load_prompts_report(str(regenerated_jsonl), limit=limit)
+    finish = _finish_reasons(Path(regenerated_jsonl))
+    stats = TokenizeStats(conversations=len(convs), problems=problems)
+    out = Path(out_jsonl)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for conv in tqdm(convs, desc="tokenize", unit="conv", disable=None):
+                if conv.messages[-1]["role"] != "assistant":
+                    stats.dropped_unsupervised += 1
+                    continue
+                sample = tokenize_conversation(tokenizer, conv.messages, max_length=max_length, thinking=thinking,
+                                               supervise_end=finish.get(conv.id) != "length", id=conv.id)
+                if sample is None:
+                    stats.dropped_unsupervised += 1
+                    continue
+                stats.written += 1
+                stats.truncated += len(sample.input_ids) == max_length
+                stats.tokens += len(sample.input_ids)
+                stats.supervised_tokens += sum(sample.loss_mask)
+                f.write(json.dumps(asdict(sample), separators=(",", ":")) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return stats
+
+
+def _finish_reasons(path: Path) -> dict[str, str]:
+    """id -> finish_reason of a regenerated JSONL (absent for other conversation files)."""
+    reasons = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # reported by the prompt loader
+            if isinstance(rec, dict) and isinstance(rec.get("finish_reason"), str):
+                reasons[str(rec.get("id"))] = rec["finish_reason"]
+    return reasons
+
+
+def load_tokenized(path: str | Path) -> list[TokenizedSample]:
+    """Read the output of `tokenize_file`; a bad line raises with its file and line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenized file {path} does not exist (run `dflashkit tokenize` first)")
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                s = TokenizedSample(id=str(rec["id"]), input_ids=list(rec["input_ids"]), loss_mask=list(rec["loss_mask"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with id, input_ids, loss_mask ({e})") from None
+            if len(s.input_ids) != len(s.loss_mask):
+                raise ValueError(f"{path}:{lineno}: input_ids has {len(s.input_ids)} entries, loss_mask {len(s.loss_mask)}")
+            samples.append(s)
+    return samples
+
+
+# ---- CLI: dflashkit tokenize ---------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    from dflashkit.commands import add_config_options
+
+    p.add_argument("--input", metavar="JSONL", help="conversations to tokenise (default: data.regenerated)")
+    p.add_argument("--out", metavar="JSONL", help="output file (default: data.tokenized)")
+    add_config_options(p)
+
+
+def run(args) -> int:
+    from dflashkit.commands import config_from_args
+
+    cfg = config_from_args(args)
+    src, out = args.input or cfg.data.regenerated, args.out or cfg.data.tokenized
+    if not src or not out:
+        raise ValueError("tokenize needs an input (--input or data.regenerated=PATH) and an output (--out or data.tokenized=PATH)")
+    tok = load_tokenizer(cfg.target.path, cfg.target.gguf_file)
+    stats = tokenize_file(src, tok, out, max_length=cfg.data.max_length, thinking=cfg.data.thinking, limit=cfg.data.limit)
+    print(f"{out}: {stats.written} samples, {stats.tokens} tokens ({stats.supervised_tokens} supervised); "
+          f"{stats.truncated} truncated to {cfg.data.max_length}, {stats.dropped_unsupervised} dropped "
+          f"(fewer than two consecutive supervised tokens), {len(stats.problems)} malformed lines skipped")
+    return 0
