@@ -77,14 +77,20 @@ class TrainConfig(_Section):
     gamma: float | None = Field(None, gt=0, description="slot decay; None = 7 (B=16), 5 (B=10), 4 (B=8)")
     kl_weight: float = Field(1.0, ge=0, le=1, description="share of KL in the 'kl' loss; rest is hard CE")
     kl_temperature: float = Field(1.0, gt=0)
+    dpace_alpha: float = Field(0.5, gt=0, le=1, description="confidence smoothing of the 'dpace' loss")
     feature_noise: float = Field(0.0, ge=0, description="std of Gaussian noise on fc inputs only")
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    compile: bool | None = Field(None, description="torch.compile the drafter layers; None = on CUDA")
+    parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="under torchrun: DDP (auto) or FSDP2")
     eval_every: int = Field(200, ge=1)
-    eval_samples: int = Field(64, ge=1)
+    eval_samples: int = Field(64, ge=1, description="held-out sequences for the tau_sim evaluation")
     save_every: int = Field(500, ge=1)
+    keep_last: int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
     seed: int = 0
     log_every: int = Field(10, ge=1)
+    tensorboard: bool = True
+    wandb_project: str | None = Field(None, description="log to Weights & Biases too (needs `wandb` installed)")
 
 
 class EvalConfig(_Section):
