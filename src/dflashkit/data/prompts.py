@@ -116,11 +116,12 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
 def to_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike[str]) -> None:
     """Write conversations as JSONL, atomically: readers see the old file or the complete new one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     # Same directory so that os.replace is a rename on one file system; a plain open (not mkstemp)
     # so that the file gets the usual umask permissions.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             for conv in conversations:
                 record = {"id": conv.id, "messages": conv.messages, "source": conv.source}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -172,7 +173,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
-                yield lineno, _BadRecord(f"invalid JSON ({exc.msg} at column {exc.colno}), "
+                yield lineno, _BadRecord(f"invalid JSON at column {exc.colno} ({exc.msg}), "
                                          "expected one JSON object per line")
 
 
