@@ -187,9 +187,13 @@ def load_target(
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     local_files_only: bool | None = None,
+    weights: bool = True,
 ) -> Target:
     """Load a target: a local directory, a hub id (only when online), a `.gguf` file, or, with
-    no name, the embedded default (SmolLM2-135M-Instruct, see `testbed.py`)."""
+    no name, the embedded default (SmolLM2-135M-Instruct, see `testbed.py`).
+
+    `weights=False`: config, tokenizer and generation config only, the model built on the meta
+    device (shape and token facts for `doctor`, without reading the weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
@@ -215,8 +219,23 @@ def load_target(
         kw["local_files_only"] = local_files_only
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
+        if not weights:
+            return Target(_meta_model(src, dtype, kw), tok, name=str(name_or_path))
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
     except OSError as e:
         raise OSError(f"could not load target '{name_or_path}': {e}\n"
                       "A hub id needs network access; offline, pass a local directory or a .gguf file.") from None
     return Target(model.to(device), tok, name=str(name_or_path))
+
+
+def _meta_model(src: str, dtype: torch.dtype, kw: dict[str, Any]) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(src, **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(src, **kw)
+    except OSError:
+        pass  # no generation_config.json: the defaults derived from the config stay
+    return model

@@ -26,11 +26,14 @@ def reserved_token_ids(tokenizer: Any, generation_config: Any = None) -> set[int
     return ids
 
 
+def _template_text(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return " ".join(template.values()) if isinstance(template, dict) else template
+
+
 def _unused_special_tokens(tokenizer: Any, reserved: set[int]) -> list[int]:
     """Special tokens that are not reserved and that the chat template never writes."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = " ".join(template.values())
+    template = _template_text(tokenizer)
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return sorted(i for i, t in decoder.items()
                   if getattr(t, "special", False) and i not in reserved and str(t) not in template)
@@ -57,11 +60,14 @@ def mask_token_problems(mask_id: int, tokenizer: Any, embedding_rows: int, gener
     problems = []
     if not 0 <= mask_id < embedding_rows:
         problems.append(f"mask_token_id {mask_id} is outside the target's embedding (0..{embedding_rows - 1})")
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     if mask_id in reserved_token_ids(tokenizer, generation_config):
         problems.append(f"mask_token_id {mask_id} is a BOS/EOS/PAD/stop token: decoders scan their output for stop "
                         "tokens and would stop after one round; choose an unused special token")
-    elif mask_id < len(tokenizer) and mask_id not in (getattr(tokenizer, "added_tokens_decoder", {}) or {}) \
-            and mask_id != getattr(tokenizer, "mask_token_id", None):
+    elif mask_id < len(tokenizer) and mask_id not in decoder and mask_id != getattr(tokenizer, "mask_token_id", None):
         problems.append(f"mask_token_id {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}) is an ordinary text "
                         "token; choose an unused special token or a spare embedding row")
+    elif mask_id in decoder and str(decoder[mask_id]) in _template_text(tokenizer):
+        problems.append(f"mask_token_id {mask_id} ({str(decoder[mask_id])!r}) is written by the chat template, so it "
+                        "occurs in every conversation; choose a special token the template never writes")
     return problems
