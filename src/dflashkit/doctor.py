@@ -328,6 +328,12 @@ def doctor(drafter_dir: str | Path, target: Any, *, data: str | Path | None = No
     return findings
 
 
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from dflashkit.commands import add_config_options
 
@@ -336,7 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "else the embedded SmolLM2); its weights are not read")
     p.add_argument("--data", metavar="JSONL", help="training data: regenerated conversations (messages) or tokenized "
                                                    "samples (input_ids); default: data.tokenized, else data.regenerated")
-    p.add_argument("--limit", type=int, default=1000, metavar="N", help="check the first N samples (default 1000)")
+    p.add_argument("--limit", type=_positive, default=1000, metavar="N", help="check the first N samples (default 1000)")
     add_config_options(p)
 
 
