@@ -1,0 +1,296 @@
+"""The DFlash training objective (SPEC §2): anchors, block labels, the loss and feature noise.
+
+* Anchors: positions `p` with `loss_mask[p]` and `loss_mask[p + 1]`, at most `anchors_per_seq`
+  per sequence, drawn uniformly without replacement (then sorted, so that neighbouring blocks
+  share most of their visible context: FlexAttention then skips more tiles).
+* Labels: slot `k >= 1` of the block at anchor `a` predicts `input_ids[a + k]`, the token at the
+  slot's own position (no shift); slot 0 has no loss; a slot is masked where `loss_mask` is 0
+  or the position lies past the sequence.
+* Loss (default, "ce"): hard cross-entropy with slot weight `exp(-(k - 1) / gamma)`, normalised
+  by the sum of the weights of the slots that carry a label. Options: "kl" (KL to the target's
+  distribution, whose logits come from the target's *final* hidden state through its LM head,
+  mixed with hard CE by `kl_weight`) and "dpace" (D-PACE: detached weights from the drafter's own
+  confidence, arXiv 2605.18810 eq. 7-9). Never silently different from the recipe.
+* Noise: added to the features entering `fc` only; labels come from token ids and KL targets from
+  a tensor that is split off before the noise.
+
+The LM head is frozen and big (Qwen3: 151936 x 4096): `head_losses` runs it in row chunks, never
+holding [rows, vocab] logits for all rows, and computes the gradient w.r.t. the hidden states in
+the same pass, so the head's matmul is never recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from dflashkit.drafter import default_gamma, training_hidden
+from dflashkit.masks import block_positions
+
+IGNORE = -100  # label of a slot without loss
+
+
+# ---- anchors and labels ------------------------------------------------------------------
+
+
+def anchor_candidates(loss_mask: Tensor) -> Tensor:
+    """[T] -> positions p with loss_mask[p] and loss_mask[p + 1] (a block there has >= 1 label)."""
+    m = loss_mask.bool()
+    return (m[:-1] & m[1:]).nonzero().squeeze(1)
+
+
+def sample_anchors(loss_mask: Tensor, max_anchors: int, generator: torch.Generator | None = None) -> Tensor:
+    """Up to `max_anchors` anchor positions of one sequence, uniformly without replacement, sorted."""
+    cand = anchor_candidates(loss_mask)
+    if len(cand) > max_anchors:
+        pick = torch.randperm(len(cand), generator=generator)[:max_anchors]
+        cand = cand[pick].sort().values
+    return cand
+
+
+def pad_anchors(anchor_lists: list[Tensor], multiple: int = 1) -> tuple[Tensor, Tensor]:
+    """Stack per-sequence anchors into [b, n] (n rounded up to `multiple`) plus a validity mask.
+    Padding blocks sit at position 0: they see only themselves and carry no label."""
+    n = max([1, *(len(a) for a in anchor_lists)])
+    n = -(-n // multiple) * multiple
+    anchors = torch.zeros(len(anchor_lists), n, dtype=torch.long)
+    valid = torch.zeros(len(anchor_lists), n, dtype=torch.bool)
+    for i, a in enumerate(anchor_lists):
+        anchors[i, : len(a)] = a
+        valid[i, : len(a)] = True
+    return anchors, valid
+
+
+def block_labels(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> Tensor:
+    """Labels [b, n * B]: slot k of block j at index j * B + k holds input_ids[a_j + k], or IGNORE
+    for slot 0, padding blocks, positions past the sequence and positions with loss_mask 0."""
+    b, T = input_ids.shape
+    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [b, n, B]
+    inside = pos < T
+    idx = pos.clamp(max=T - 1).flatten(1)
+    tok = input_ids.gather(1, idx).view_as(pos)
+    ok = inside & loss_mask.bool().gather(1, idx).view_as(pos) & anchor_valid[..., None]
+    ok[..., 0] = False
+    return torch.where(ok, tok, IGNORE).flatten(1)
+
+
+def slot_weights(block_size: int, gamma: float) -> Tensor:
+    """[B]: 0 for slot 0, exp(-(k - 1) / gamma) for slot k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+
+
+def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """D-PACE slot weights [m, B] from per-slot CE [m, B] (detached).
+
+    q_i = exp(-CE_i) (the drafter's confidence in the label), smoothed q~_i = (1 - alpha) q_i + alpha,
+    w_j = sum over labelled m >= j of prod_{i <= m} q~_i: the chance of reaching slot m times the
+    length still to gain. Unlabelled slots pass the product through and get weight 0."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"train.dpace_alpha: expected a value in (0, 1], got {alpha}")
+    q = (1 - alpha) * torch.exp(-ce.detach().float()) + alpha
+    reach = torch.cumprod(torch.where(valid, q, torch.ones_like(q)), dim=-1)
+    reach = torch.where(valid, reach, torch.zeros_like(reach))
+    w = reach.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+def add_feature_noise(features: Tensor, std: float, generator: torch.Generator | None = None) -> Tensor:
+    """Gaussian noise on the `fc` input. Call it on the tap features only, after any label or
+    target-logit tensor has been split off (SPEC §3, mistake 3)."""
+    if std <= 0:
+        return features
+    dev = generator.device if generator is not None else features.device
+    noise = torch.randn(features.shape, generator=generator, dtype=torch.float32, device=dev)
+    return (features.float() + std * noise.to(features.device)).to(features.dtype)
+
+
+def check_label_sources(tap_ids: list[int], num_target_layers: int, loss: str) -> None:
+    """`fc` must never see the layer the labels come from (SPEC §3, mistake 2). Hard labels are
+    token ids; KL targets are the LM head of the target's final hidden state, i.e. layer L - 1."""
+    last = num_target_layers - 1
+    if loss == "kl" and last in tap_ids:
+        raise ValueError(
+            f"train.loss='kl' takes its target logits from the target's final hidden state (layer {last}), "
+            f"but drafter.target_layer_ids {tap_ids} feeds that layer to fc: the drafter would copy its answer "
+            f"from its input. Drop layer {last} from the taps (SPEC default taps end at L - 3).")
+
+
+# ---- the LM head in chunks ----------------------------------------------------------------
+
+
+def _ce_chunk(logits: Tensor, labels: Tensor, want_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-row CE, argmax and d CE / d logits (softmax - onehot, in the logits' dtype)."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
+    top = z.argmax(-1)
+    if not want_grad:
+        return ce, top, None
+    p = torch.exp(z - lse[:, None])
+    d = p.scatter_add(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
+    return ce, top, d.to(logits.dtype)
+
+
+def _kl_chunk(logits: Tensor, target_logits: Tensor, temperature: float, want_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """Per-row T^2 * KL(p_target || p_drafter) at temperature T, and its gradient T (p_d - p_t)."""
+    ls = torch.log_softmax(logits.float() / temperature, dim=-1)
+    lt = torch.log_softmax(target_logits.float() / temperature, dim=-1)
+    pt = lt.exp()
+    kl = temperature**2 * (pt * (lt - ls)).sum(-1)
+    if not want_grad:
+        return kl, None
+    return kl, (temperature * (ls.exp() - pt)).to(logits.dtype)
+
+
+@lru_cache(maxsize=None)
+def _fused(fn, cuda: bool):
+    # On GPU the elementwise tail (upcast, logsumexp, softmax - onehot) is fused into few passes
+    # over the [chunk, vocab] logits; elsewhere eager is the reference.
+    return torch.compile(fn, dynamic=True) if cuda else fn
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: Tensor | None,
+                temperature: float, chunk: int):
+        n = hidden.shape[0]
+        want_grad = ctx.needs_input_grad[0]
+        ce_fn, kl_fn = _fused(_ce_chunk, hidden.is_cuda), _fused(_kl_chunk, hidden.is_cuda)
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        top = torch.empty(n, dtype=torch.long, device=hidden.device)
+        kl = torch.empty(n if target_hidden is not None else 0, dtype=torch.float32, device=hidden.device)
+        g_ce = torch.empty_like(hidden) if want_grad else None
+        g_kl = torch.empty_like(hidden) if want_grad and target_hidden is not None else None
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            logits = hidden[s:e] @ weight.T  # [c, V]: the only place a slice of the logits exists
+            ce[s:e], top[s:e], d = ce_fn(logits, labels[s:e], want_grad)
+            if want_grad:
+                torch.mm(d, weight, out=g_ce[s:e])
+            if target_hidden is not None:
+                kl[s:e], dk = kl_fn(logits, target_hidden[s:e] @ weight.T, temperature, want_grad)
+                if want_grad:
+                    torch.mm(dk, weight, out=g_kl[s:e])
+        ctx.save_for_backward(g_ce, g_kl)
+        ctx.mark_non_differentiable(top)
+        return ce, kl, top
+
+    @staticmethod
+    def backward(ctx, d_ce: Tensor, d_kl: Tensor, _d_top: Tensor):
+        g_ce, g_kl = ctx.saved_tensors
+        grad = g_ce.float() * d_ce[:, None]
+        if g_kl is not None:
+            grad = grad + g_kl.float() * d_kl[:, None]
+        return grad.to(g_ce.dtype), None, None, None, None, None
+
+
+def head_losses(hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: Tensor | None = None,
+                temperature: float = 1.0, chunk_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Frozen LM head `weight` [V, H] on `hidden` [N, H] in row chunks.
+
+    Returns per-row CE [N] (fp32), per-row T^2-scaled KL to softmax(target_hidden @ W^T) [N] (empty
+    without `target_hidden`) and the argmax [N]. Differentiable w.r.t. `hidden` only."""
+    if weight.requires_grad:
+        raise ValueError("head_losses: the LM head is the target's and stays frozen (weight.requires_grad must be False)")
+    chunk = chunk_rows or max(1, (1 << 28) // weight.shape[0])  # ~256M logits per chunk
+    return _ChunkedHead.apply(hidden, weight, labels, target_hidden, float(temperature), chunk)
+
+
+# ---- one micro-batch ------------------------------------------------------------------------
+
+
+@dataclass
+class LossSettings:
+    loss: str = "ce"  # "ce" | "kl" | "dpace"
+    gamma: float = 7.0
+    kl_weight: float = 1.0
+    kl_temperature: float = 1.0
+    dpace_alpha: float = 0.5
+
+    @classmethod
+    def from_config(cls, train_cfg, block_size: int) -> "LossSettings":
+        gamma = train_cfg.gamma if train_cfg.gamma is not None else default_gamma(block_size)
+        return cls(train_cfg.loss, gamma, train_cfg.kl_weight, train_cfg.kl_temperature, train_cfg.dpace_alpha)
+
+
+@dataclass
+class MicroBatch:
+    """Everything one forward pass needs; built on the host (`micro_batch`), moved with `.to`."""
+
+    input_ids: Tensor  # [b, T]
+    ctx_valid: Tensor  # [b, T] bool, False on right padding
+    features: Tensor  # [b, T, n_taps * H] fc input (noise, if any, already added)
+    anchors: Tensor  # [b, n]
+    labels: Tensor  # [b, n * B], IGNORE where no loss
+    label_rows: Tensor  # [N] flat indices of the labelled slots (known on the host: no device sync)
+    final_hidden: Tensor | None = None  # [b, T, H] target's final hidden state ("kl" only; never noised)
+
+    def to(self, device, dtype: torch.dtype | None = None) -> "MicroBatch":
+        def mv(t: Tensor | None, float_: bool = False) -> Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=device, dtype=dtype if float_ and dtype else t.dtype, non_blocking=True)
+
+        return MicroBatch(mv(self.input_ids), mv(self.ctx_valid), mv(self.features, True), mv(self.anchors),
+                          mv(self.labels), mv(self.label_rows), mv(self.final_hidden, True))
+
+
+def micro_batch(input_ids: Tensor, loss_mask: Tensor, ctx_valid: Tensor, features: Tensor, anchors: Tensor,
+                anchor_valid: Tensor, block_size: int, final_hidden: Tensor | None = None) -> MicroBatch:
+    labels = block_labels(input_ids, loss_mask & ctx_valid, anchors, anchor_valid, block_size)
+    rows = (labels.flatten() != IGNORE).nonzero().squeeze(1)
+    return MicroBatch(input_ids, ctx_valid, features, anchors, labels, rows, final_hidden)
+
+
+@dataclass
+class LossOut:
+    loss_sum: Tensor  # scalar, differentiable: sum over labelled slots of weight * loss
+    weight_sum: Tensor  # scalar: sum of those weights (the normaliser, summed over micro-batches and ranks)
+    slot_correct: Tensor  # [B] argmax == label counts per slot
+    slot_count: Tensor  # [B] labelled slots per slot index
+    accept_len: Tensor  # [blocks] 1 + leading slots whose argmax equals the label (padding blocks included)
+    block_valid: Tensor  # [blocks] the block is a real anchor
+
+
+def block_loss(drafter, embed, head_weight: Tensor, mb: MicroBatch, settings: LossSettings,
+               backend: str = "sdpa", chunk_rows: int | None = None) -> LossOut:
+    """Forward one micro-batch through the training path and the chunked LM head."""
+    B = drafter.config.block_size
+    hidden = training_hidden(drafter, embed, mb.input_ids, mb.features, mb.anchors, mb.ctx_valid, backend)
+    labels, rows = mb.labels.flatten(), mb.label_rows
+    h = hidden.flatten(0, 1).index_select(0, rows)
+    target_h = None
+    if settings.loss == "kl":
+        if mb.final_hidden is None:
+            raise ValueError("train.loss='kl' needs the target's final hidden state (online features, or a feature "
+                             "cache that holds the last layer)")
+        # The target's distribution over the token at position p comes from its hidden state at p - 1.
+        prev = (block_positions(mb.anchors, B) - 1).clamp(min=0).flatten()
+        seq = torch.arange(mb.anchors.shape[0], device=rows.device).repeat_interleave(mb.labels.shape[1])
+        target_h = mb.final_hidden[seq[rows], prev[rows]].to(h.dtype)
+    ce, kl, top = head_losses(h, head_weight, labels[rows], target_h, settings.kl_temperature, chunk_rows)
+
+    slot = rows % B
+    if settings.loss == "dpace":
+        grid_ce = torch.zeros(labels.numel(), device=ce.device).index_copy_(0, rows, ce.detach()).view(-1, B)
+        valid = (labels != IGNORE).view(-1, B)
+        w = dpace_weights(grid_ce, valid, settings.dpace_alpha).flatten()[rows]
+    else:
+        w = slot_weights(B, settings.gamma).to(ce.device)[slot]
+    per_row = ce if settings.loss != "kl" else (1 - settings.kl_weight) * ce + settings.kl_weight * kl
+    hit = top == labels[rows]
+    match = torch.zeros(labels.numel(), dtype=torch.bool, device=rows.device).index_copy_(0, rows, hit).view(-1, B)
+    accept = 1 + match[:, 1:].long().cumprod(-1).sum(-1)
+    return LossOut(
+        loss_sum=(w * per_row).sum(),
+        weight_sum=w.sum().detach(),
+        slot_correct=torch.bincount(slot, weights=hit.float(), minlength=B),
+        slot_count=torch.bincount(slot, minlength=B).float(),
+        accept_len=accept,
+        block_valid=(labels.view(-1, B) != IGNORE).any(-1),
+    )
+
