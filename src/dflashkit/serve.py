@@ -1,0 +1,416 @@
+"""`dflashkit serve`: an OpenAI-compatible HTTP server over the target.
+
+FastAPI + uvicorn (the `serve` extra): SSE streaming, request validation and an async event loop
+come for free, and the official `openai` client is what we test against.
+
+The server is a thin shell over a pluggable `Generator` (token ids in, chunks of token ids out, a
+stats dict at the end that is merged into the response's `usage` block). This module ships the
+plain autoregressive generator; a speculative one only has to implement `generate`.
+
+One worker thread owns the model and runs requests one at a time, in arrival order (`Engine`):
+concurrent requests queue instead of racing on the model and its KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+# ---- generators ------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationChunk:
+    token_ids: list[int]  # new tokens (a stop token, if any, is the last one of the last chunk)
+    finish_reason: Literal["stop", "length"] | None = None  # set on the last chunk only
+    stats: dict[str, Any] = field(default_factory=dict)  # last chunk: merged into the usage block
+
+
+class Generator(Protocol):
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: set[int], seed: int | None) -> Iterator[GenerationChunk]: ...
+
+
+def sample_token(logits: Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else a draw from the temperature-scaled, nucleus-filtered distribution."""
+    # logits: [V]
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_p.cumsum(0) - sorted_p >= top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+class AutoregressiveGenerator:
+    """One target forward per token, on a KV cache of our own."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    @torch.no_grad()
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: set[int], seed: int | None) -> Iterator[GenerationChunk]:
+        model, device = self.target.model, self.target.device
+        rng = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        cache = self.target.new_cache()
+        ids = torch.tensor([input_ids], device=device)  # [1, t]
+        t0 = time.perf_counter()
+        finish: Literal["stop", "length"] = "length"
+        n = 0
+        for n in range(1, max_new_tokens + 1):
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            tok = sample_token(logits[0, -1].cpu(), temperature, top_p, rng)
+            if n == 1:
+                t_first = time.perf_counter() - t0
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            yield GenerationChunk([tok])
+            ids = torch.tensor([[tok]], device=device)
+        dt = time.perf_counter() - t0
+        yield GenerationChunk([tok] if finish == "stop" else [], finish, {
+            "time_to_first_token_s": round(t_first, 4),
+            "decode_tokens_per_s": round((n - 1) / (dt - t_first), 2) if n > 1 and dt > t_first else None,
+        })
+
+
+# ---- the engine: one request at a time on a worker thread --------------------------------------------
+
+
+class _Job:
+    def __init__(self, input_ids: list[int], params: dict[str, Any]) -> None:
+        self.input_ids, self.params = input_ids, params
+        self.loop = asyncio.get_running_loop()
+        self.out: asyncio.Queue = asyncio.Queue()  # GenerationChunk | Exception | None (end)
+        self.cancelled = threading.Event()
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class Engine:
+    """Runs generation requests in arrival order on a worker thread that owns the model."""
+
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+        self.jobs: queue.Queue[_Job] = queue.Queue()
+        threading.Thread(target=self._work, name="dflashkit-engine", daemon=True).start()
+
+    def submit(self, input_ids: list[int], **params: Any) -> _Job:
+        job = _Job(input_ids, params)
+        self.jobs.put(job)
+        return job
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if not job.cancelled.is_set():
+                    with closing(self.generator.generate(job.input_ids, **job.params)) as chunks:
+                        for chunk in chunks:
+                            job.put(chunk)
+                            if job.cancelled.is_set():  # client gone, or a stop string was found
+                                break
+            except Exception as e:  # reported to the request, the server keeps serving
+                log.exception("generation failed")
+                job.put(e)
+            finally:
+                job.put(None)
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields we accept and ignore (user, ...)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+_UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "tools": None,
+                "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+
+
+def _check_unsupported(req: Any) -> None:
+    for name, default in _UNSUPPORTED.items():
+        value = getattr(req, name, None) if name in type(req).model_fields else (req.model_extra or {}).get(name)
+        if value not in (None, default) and not (name == "logprobs" and value is False):
+            raise APIError(400, f"'{name}' = {value!r} is not supported by this server (only {default!r})", name)
+
+
+def _chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+    msgs = []
+    for i, m in enumerate(raw):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise APIError(400, f"messages[{i}].role is {role!r}, expected system, user or assistant", f"messages[{i}].role")
+        if isinstance(content, list):  # content parts: only text
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        msgs.append({"role": "system" if role == "developer" else role, "content": content})
+    return msgs
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0):
+    """The FastAPI app. `fail_every=N` answers every N-th generation request with HTTP 500: a
+    fault injector for testing clients' retries (`dflashkit serve --fail-every N`)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    from dflashkit.data.chat import encode, render
+    from dflashkit.vocab import stop_token_ids
+
+    tok = target.tokenizer
+    name = model_name or (Path(target.name).name if Path(target.name).exists() else target.name)
+    stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
+    context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 31)
+    engine = Engine(generator)
+    counters = {"requests": 0, "injected_failures": 0}
+    app = FastAPI(title="dflashkit", version="1")
+
+    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, e: APIError):
+        return error(e.status, e.message, e.param, e.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, e: RequestValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        return error(400, f"{where}: {first['msg']}", where)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_req, e: HTTPException):
+        return error(e.status_code, str(e.detail), kind="not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "queued": engine.jobs.qsize(), **counters}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dflashkit"}]}
+
+    def prepare(req: Any, ids: list[int], max_tokens: int | None) -> dict[str, Any]:
+        _check_unsupported(req)
+        if req.model not in (None, name):
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model",
+                           "not_found_error")
+        if len(ids) >= context:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; the model's context is {context}", "messages")
+        if max_tokens is not None and len(ids) + max_tokens > context:
+            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                           f"({context})", "max_tokens")
+        counters["requests"] += 1
+        if fail_every and counters["requests"] % fail_every == 0:
+            counters["injected_failures"] += 1
+            raise APIError(500, f"injected failure (serve --fail-every {fail_every})", kind="server_error")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return dict(max_new_tokens=max_tokens or context - len(ids), temperature=req.temperature, top_p=req.top_p,
+                    stop_ids=stop_ids, seed=req.seed, _stops=[s for s in stops if s])
+
+    async def texts(job: _Job, stops: list[str], holdback: bool) -> AsyncIterator[tuple[str, str | None, dict]]:
+        """(new text, finish_reason, stats) as the engine produces tokens; stop strings end the text.
+        `holdback` keeps back text that could still become a stop string (streaming)."""
+        ids: list[int] = []  # generated, stop tokens left out
+        generated = sent = 0
+        keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
+        try:
+            while True:
+                item = await job.out.get()
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
+                generated += len(item.token_ids)
+                ids += [t for t in item.token_ids if t not in stop_ids]
+                text = tok.decode(ids, skip_special_tokens=True)
+                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    job.cancelled.set()
+                    yield text[sent:cut], "stop", {"completion_tokens": generated}
+                    return
+                if item.finish_reason:
+                    yield text[sent:], item.finish_reason, {"completion_tokens": generated, **item.stats}
+                    return
+                end = len(text) - keep
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                    end = min(end, len(text) - 1)
+                if end > sent:
+                    yield text[sent:end], None, {}
+                    sent = end
+        finally:
+            job.cancelled.set()
+
+    async def respond(req: Any, ids: list[int], max_tokens: int | None, chat: bool):
+        params = prepare(req, ids, max_tokens)
+        stops = params.pop("_stops")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": name}
+        job = engine.submit(ids, **params)
+
+        def usage(stats: dict) -> dict:
+            completion = stats.pop("completion_tokens", 0)
+            return {"prompt_tokens": len(ids), "completion_tokens": completion,
+                    "total_tokens": len(ids) + completion, **stats}
+
+        if not req.stream:
+            parts, finish, stats = [], "length", {}
+            async for text, fin, st in texts(job, stops, holdback=False):
+                parts.append(text)
+                finish, stats = fin or finish, st or stats
+            out = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish} if chat
+                      else {"index": 0, "text": out, "finish_reason": finish, "logprobs": None})
+            return {**base, "choices": [choice], "usage": usage(stats)}
+
+        base["object"] = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        def event(text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = ({"role": "assistant", "content": ""} if first else {} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+
+        async def stream():
+            try:
+                if chat:
+                    yield event(None, None, first=True)
+                async for text, fin, st in texts(job, stops, holdback=True):
+                    if text:
+                        yield event(text, None)
+                    if fin:
+                        yield event(None, fin)
+                        if include_usage:
+                            yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage(st)})}\n\n"
+            except APIError as e:  # headers are sent: report in-band, as OpenAI servers do
+                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt: {len(prompt)} prompts in one request; this server takes one", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode(tok, prompt)
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < len(tok) for t in ids):
+                raise APIError(400, f"prompt: token ids must lie in 0..{len(tok) - 1}", "prompt")
+        if not ids:
+            raise APIError(400, "prompt is empty", "prompt")
+        return await respond(req, ids, req.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        msgs = _chat_messages(req.messages)
+        kw = dict(req.chat_template_kwargs or {})
+        try:
+            text = render(tok, msgs, thinking=bool(kw.pop("enable_thinking", False)), generation_prompt=True)
+        except Exception as e:  # template errors (jinja raise_exception) are the request's fault
+            raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+        return await respond(req, encode(tok, text), req.max_completion_tokens or req.max_tokens, chat=True)
+
+    return app
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dflashkit.commands import add_config_options
+
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (the chosen one is printed)")
+    p.add_argument("--model-name", help="model id clients pass as `model` (default: the target's path)")
+    p.add_argument("--fail-every", type=int, default=0, metavar="N",
+                   help="testing aid: answer every N-th generation request with HTTP 500")
+    add_config_options(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dflashkit.commands import config_from_args, resolve_device
+    from dflashkit.target import load_target
+
+    cfg = config_from_args(args)
+    target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
+                         device=resolve_device(cfg.target.device))
+    app = build_app(target, AutoregressiveGenerator(target), model_name=args.model_name, fail_every=args.fail_every)
+    # Bind first, then announce: with --port 0 the caller learns the port, and connections made
+    # before uvicorn starts accepting wait in the backlog instead of being refused.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(128)
+    host, port = sock.getsockname()[:2]
+    print(f"dflashkit serve: listening on http://{host}:{port}/v1", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,84 @@
+"""Test helpers for the data pipeline and the server: a tiny random target saved with SmolLM2's
+tokenizer (fast plumbing with a real chat template), and a live `dflashkit serve` subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+# Test process and child processes share the machine's cores; one thread each avoids the
+# oversubscription that makes 2-thread torch several times slower on a busy 2-core box.
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0) -> Path:
+    """A random Llama with SmolLM2's vocabulary and tokenizer (chat template included)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflashkit.data.chat import load_tokenizer
+
+    tok = load_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflashkit.cli", *args], capture_output=True, text=True,
+                          env=CHILD_ENV, timeout=timeout)
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflashkit.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=CHILD_ENV)
+
+
+@contextmanager
+def live_server(*args: str, timeout: float = 180):
+    """`dflashkit serve --port 0 ARGS` in a subprocess; yields its base URL (…/v1)."""
+    proc = start_cli("serve", "--port", "0", *args)
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # keep draining stdout so that the server never blocks on a full pipe
+        for line in proc.stdout:
+            lines.append(line)
+            if "listening on" in line and not url:
+                url.append(line.split("listening on", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not ready.wait(timeout) or not url:
+            raise RuntimeError("dflashkit serve did not start:\n" + "".join(lines[-30:]))
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_until(done, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Poll `done()` until it holds or the process ends; return its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if done():
+            return True
+        time.sleep(0.02)
+    return bool(done())

@@ -1,0 +1,109 @@
+"""`dflashkit serve` answers the official `openai` client: plain, streaming, errors, concurrency.
+
+One live server (a subprocess serving the real SmolLM2 testbed on an ephemeral localhost port)
+for the whole module; short max_tokens keep it cheap."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from datahelpers import live_server
+from dflashkit.data.chat import prompt_ids
+from dflashkit.serve import sample_token
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy(target, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def test_chat_plain_and_stream(client, smollm2):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    text = r.choices[0].message.content
+    want = greedy(smollm2, prompt_ids(smollm2.tokenizer, CHAT), 10)
+    assert text == smollm2.tokenizer.decode(want, skip_special_tokens=True)  # exactly the target's greedy answer
+    assert r.usage.prompt_tokens == len(prompt_ids(smollm2.tokenizer, CHAT))
+    assert r.usage.completion_tokens == len(want) and r.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_plain_stream_and_seed(client, smollm2):
+    r = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0)
+    want = greedy(smollm2, smollm2.tokenizer("def fibonacci(n):")["input_ids"], 8)
+    assert r.choices[0].text == smollm2.tokenizer.decode(want) and r.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+    a, b, c = (client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                                         seed=s).choices[0].text for s in (7, 7, 8))
+    assert a == b and a != c
+
+
+def test_stop_strings(client):
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=16, temperature=0,
+                                      stop=["return"], stream=stream)
+        choices = [c.choices[0] for c in r] if stream else r.choices
+        text = "".join(c.text for c in choices)
+        assert "return" not in text and choices[-1].finish_reason == "stop"
+
+
+def test_bad_requests(client, server):
+    with pytest.raises(openai.BadRequestError, match="'n' = 2 is not supported"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="gpt-5", messages=CHAT)
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's context"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+    r = httpx.post(f"{server}/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    r = httpx.post(f"{server}/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{server}/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_concurrent_requests(client, server):
+    def ask(i: int) -> str:
+        return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    assert len(set(answers)) == 1 and answers[0]  # served one at a time: no cache mix-ups
+    health = httpx.get(f"{server.removesuffix('/v1')}/health").json()
+    assert health["status"] == "ok" and health["queued"] == 0
+
+
+def test_sample_token_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, -5.0])
+    rng = torch.Generator().manual_seed(0)
+    assert sample_token(logits, 0.0, 1.0, rng) == 0
+    # top_p = 0.5 keeps only the most likely token (p = 0.66)
+    assert {sample_token(logits, 1.0, 0.5, rng) for _ in range(50)} == {0}
+    assert {sample_token(logits, 1.0, 0.9, rng) for _ in range(200)} == {0, 1}  # 0.665 + 0.245 >= 0.9
