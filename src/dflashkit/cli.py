@@ -15,7 +15,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("dflashkit.commands", "print the default configuration (YAML), with overrides applied"),
     "draft": ("dflashkit.commands", "load a target, draft one block for a prompt with a (possibly untrained) drafter"),
+    "tokenize": ("dflashkit.data.chat", "apply the chat template: token ids + assistant-only loss masks (JSONL)"),
+    "train": ("dflashkit.train", "train a drafter: DFlash recipe, one GPU or torchrun (DDP / FSDP2), resumable, tau_sim while training"),
+    "doctor": ("dflashkit.doctor", "check a drafter against a target (and training data against evaluation) before training or serving"),
     "export": ("dflashkit.export", "write a drafter for serving engines: reference format (+ dflash.py) or vLLM speculators"),
+    "serve": ("dflashkit.serve", "OpenAI-compatible HTTP server over the target (completions, chat, streaming)"),
 }
 
 
