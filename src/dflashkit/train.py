@@ -1,0 +1,718 @@
+"""`dflashkit train`: the DFlash recipe on one process, on many (torchrun: DDP or FSDP2), resumable.
+
+* Data: token ids + loss masks (`data.tokenized`, features computed online by the target in this
+  process) or an offline feature cache (`data.features`). A held-out slice (`train.eval_samples`)
+  never trains; every `eval_every` steps it gives per-slot accuracy and the simulated acceptance
+  length tau_sim (1 + leading slots whose argmax equals the data's token), and the best
+  checkpoint by tau_sim is kept in `<output_dir>/best`.
+* Order: optimiser step `s` consumes sequences `[s * batch_size, (s + 1) * batch_size)` of a
+  seeded stream (one permutation per epoch); rank `r` takes a contiguous share. Anchors and
+  noise of a sequence are drawn from generators seeded by its stream position. So a run is the
+  same function of the config on any number of processes, and resuming needs only the step.
+* Loss normalisation: each micro-batch back-propagates its *sum* of weighted slot losses; the
+  gradients are divided by the global sum of weights (all micro-batches, all ranks) before
+  clipping. That is exactly the single-process loss, also for D-PACE whose weights are only known
+  after the forward pass.
+* Precision: on GPU the drafter runs in bf16; the optimiser steps fp32 master weights with fp32
+  AdamW state (FSDP2: fp32 shards, bf16 compute through its mixed-precision policy).
+* Checkpoints: the reference format plus `training_state.pt` (fp32 weights, optimiser, scheduler,
+  RNG, step, best tau), full tensors keyed by name, so any number of processes can resume them;
+  written to a temporary directory and renamed, then `latest.json` is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dflashkit.checkpoint import atomic_write_bytes, atomic_write_json, load_drafter, load_training_state, save_drafter
+from dflashkit.drafter import DFlashDrafter, DrafterConfig
+from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, block_loss, check_label_sources,
+                                 micro_batch, pad_anchors, sample_anchors)
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+SEQ_MULTIPLE = 64  # sequences are right-padded to a multiple of this (fewer distinct shapes to compile)
+ANCHOR_MULTIPLE = 8  # anchors per sequence padded to a multiple of this (B=16: 128 queries, one flex tile)
+
+
+# ---- processes -----------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cuda: bool) -> Dist:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK (one node or many: its rendezvous does the rest)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    if cuda:
+        torch.cuda.set_device(d.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return d
+
+
+def _all_sum(t: Tensor, d: Dist) -> Tensor:
+    if d.world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def _generator(seed: int, *keys: Any, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator that depends only on (seed, keys): the same on every rank and after a resume."""
+    h = int.from_bytes(hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=8).digest(), "little")
+    g = torch.Generator(device=device)
+    g.manual_seed(h & ((1 << 63) - 1))
+    return g
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+def load_training_data(data_cfg) -> tuple[Sequence[Any], list[int] | None]:
+    """(samples, layer ids of cached features or None for online features)."""
+    if data_cfg.features:
+        from dflashkit.data.features import FeatureCache
+
+        cache = FeatureCache(data_cfg.features)
+        return cache, list(cache.layer_ids)
+    if data_cfg.tokenized:
+        from dflashkit.data.chat import load_tokenized
+
+        return load_tokenized(data_cfg.tokenized), None
+    raise ValueError("train needs data: set data.tokenized=PATH (features computed online by the target) "
+                     "or data.features=DIR (offline cache from `dflashkit extract`)")
+
+
+def split_eval(n: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices): at most a fifth of the data is held out."""
+    n_eval = min(eval_samples, n // 5)
+    perm = torch.randperm(n, generator=_generator(seed, "split")).tolist()
+    held = sorted(perm[:n_eval])
+    held_set = set(held)
+    return [i for i in range(n) if i not in held_set], held
+
+
+class Batcher:
+    """Sequences -> `MicroBatch`es on the device: padding, anchors, features (cached or from the
+    target), the split of the fc input from the KL target, and noise on the fc input only."""
+
+    def __init__(self, samples: Sequence[Any], feature_layer_ids: list[int] | None, target: Any,
+                 cfg: DrafterConfig, tcfg, max_length: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.samples, self.target, self.cfg, self.tcfg = samples, target, cfg, tcfg
+        self.max_length, self.device, self.dtype = max_length, device, dtype
+        self.need_final = tcfg.loss == "kl"
+        last = cfg.num_target_layers - 1
+        wanted = list(cfg.target_layer_ids) + ([last] if self.need_final else [])
+        if feature_layer_ids is None:  # online: ask the target for exactly these layers, in this order
+            self.online_layers: list[int] | None = wanted
+            source = wanted
+        else:
+            missing = [i for i in wanted if i not in feature_layer_ids]
+            if missing:
+                why = f" (layer {last} = the target's final hidden state, for train.loss='kl')" if last in missing else ""
+                raise ValueError(f"data.features holds target layers {feature_layer_ids}, but layers {missing} are "
+                                 f"needed{why}; re-extract with those layers or train online")
+            self.online_layers = None
+            source = list(feature_layer_ids)
+        H = cfg.hidden_size
+        cols = lambda i: torch.arange(source.index(i) * H, (source.index(i) + 1) * H)  # noqa: E731
+        self.tap_cols = torch.cat([cols(i) for i in cfg.target_layer_ids])
+        self.final_cols = cols(last) if self.need_final else None
+
+    def sample(self, i: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        s = self.samples[i]
+        sid = getattr(s, "id", i)
+        ids = torch.as_tensor(s.input_ids, dtype=torch.long)[: self.max_length]
+        mask = torch.as_tensor(s.loss_mask).bool()[: self.max_length]
+        if ids.shape != mask.shape or ids.ndim != 1:
+            raise ValueError(f"sample {sid}: input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be equal 1-d")
+        if len(ids) and int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"sample {sid}: token id {int(ids.max())} is outside the target's vocabulary ({self.cfg.vocab_size})")
+        feats = getattr(s, "features", None)
+        if feats is not None:
+            feats = feats[: self.max_length]
+            if feats.shape[0] != len(ids):
+                raise ValueError(f"sample {sid}: {feats.shape[0]} feature rows for {len(ids)} tokens")
+        return ids, mask, feats
+
+    @torch.no_grad()
+    def build(self, items: list[tuple[Any, int]]) -> MicroBatch:
+        """items: (key, sample index); `key` (the stream position, or ('eval', i)) seeds anchors and noise."""
+        seqs = [self.sample(i) for _, i in items]
+        T = max(len(s[0]) for s in seqs)
+        T = -(-T // SEQ_MULTIPLE) * SEQ_MULTIPLE
+        b = len(seqs)
+        ids = torch.zeros(b, T, dtype=torch.long)
+        loss_mask = torch.zeros(b, T, dtype=torch.bool)
+        valid = torch.zeros(b, T, dtype=torch.bool)
+        for j, (x, m, _) in enumerate(seqs):
+            ids[j, : len(x)], loss_mask[j, : len(x)], valid[j, : len(x)] = x, m, True
+        seed = self.tcfg.seed
+        anchors, anchor_valid = pad_anchors(
+            [sample_anchors(m, self.tcfg.anchors_per_seq, _generator(seed, "anchors", k)) for (k, _), (_, m, _) in zip(items, seqs)],
+            multiple=ANCHOR_MULTIPLE)
+        if self.online_layers is not None:
+            feats = self.target.forward(ids.to(self.device), self.online_layers, logits=False).features
+        else:
+            feats = torch.zeros(b, T, seqs[0][2].shape[-1], dtype=seqs[0][2].dtype)
+            for j, (x, _, f) in enumerate(seqs):
+                feats[j, : len(x)] = f
+            feats = feats.to(self.device, non_blocking=True)
+        # The KL target is split off *before* any noise: noise reaches the fc input only.
+        final = feats[..., self.final_cols.to(feats.device)] if self.need_final else None
+        taps = feats[..., self.tap_cols.to(feats.device)]
+        if self.tcfg.feature_noise > 0:
+            for j, ((k, _), (x, _, _)) in enumerate(zip(items, seqs)):
+                g = _generator(seed, "noise", k, device=taps.device)
+                taps[j, : len(x)] = add_feature_noise(taps[j, : len(x)], self.tcfg.feature_noise, g)
+        mb = micro_batch(ids, loss_mask, valid, taps, anchors, anchor_valid, self.cfg.block_size, final)
+        return mb.to(self.device, self.dtype)
+
+
+def step_items(step: int, batch_size: int, micro: int, d: Dist, train_idx: list[int], seed: int) -> list[list[tuple[int, int]]]:
+    """This rank's micro-batches of optimiser step `step`: lists of (stream position, sample index)."""
+    if batch_size % d.world:
+        raise ValueError(f"train.batch_size={batch_size} must be a multiple of the number of processes ({d.world})")
+    local = batch_size // d.world
+    n = len(train_idx)
+    first = step * batch_size + d.rank * local
+    items = []
+    for p in range(first, first + local):
+        epoch, off = divmod(p, n)
+        items.append((p, train_idx[_epoch_order(n, seed, epoch)[off]]))
+    return [items[i: i + micro] for i in range(0, local, micro)]
+
+
+_ORDER_CACHE: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    key = (n, seed, epoch)
+    if key not in _ORDER_CACHE:
+        _ORDER_CACHE.clear()
+        _ORDER_CACHE[key] = torch.randperm(n, generator=_generator(seed, "epoch", epoch)).tolist()
+    return _ORDER_CACHE[key]
+
+
+def eval_items(eval_idx: list[int], micro: int, d: Dist) -> list[tuple[list[tuple[Any, int]], bool]]:
+    """This rank's held-out micro-batches, each flagged `counted`. Every rank runs the same number
+    of forward passes (FSDP needs it): short ranks repeat a sample that is not counted."""
+    mine = eval_idx[d.rank:: d.world]
+    n_batches = -(-math.ceil(len(eval_idx) / d.world) // micro)
+    out = []
+    for j in range(n_batches):
+        chunk = mine[j * micro: (j + 1) * micro]
+        out.append(([(("eval", i), i) for i in chunk], True) if chunk else ([(("eval", eval_idx[0]), eval_idx[0])], False))
+    return out
+
+
+# ---- the optimisation core -------------------------------------------------------------------
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine to zero at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    """Wraps the drafter (compile, DDP / FSDP2), owns fp32 master weights, AdamW and the schedule.
+    Knows nothing of files or data order: `step` takes micro-batches, `state_dict` is full tensors."""
+
+    def __init__(self, drafter: DFlashDrafter, embed: Callable[[Tensor], Tensor], head_weight: Tensor, tcfg,
+                 total_steps: int, *, device: torch.device, dtype: torch.dtype, d: Dist = Dist(),
+                 backend: str = "sdpa", compile: bool = False) -> None:
+        self.cfg = drafter.config
+        self.embed, self.d, self.backend = embed, d, backend
+        self.head_weight = head_weight.detach().to(device=device, dtype=dtype)
+        self.settings = LossSettings.from_config(tcfg, self.cfg.block_size)
+        self.grad_clip = tcfg.grad_clip
+        self.parallel = "none" if d.world == 1 else ("ddp" if tcfg.parallel == "auto" else tcfg.parallel)
+        self.names = [n for n, _ in drafter.named_parameters()]
+        cuda = torch.device(device).type == "cuda"
+        if self.parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            drafter.to(device=device, dtype=torch.float32)
+            self._compile(drafter, compile)
+            mesh = init_device_mesh(torch.device(device).type, (d.world,))
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            for layer in drafter.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            self.model = fully_shard(drafter, mesh=mesh, mp_policy=mp)
+            self.params = list(drafter.parameters())
+            self.master = self.params  # fp32 shards, cast to `dtype` for compute by FSDP
+        else:
+            drafter.to(device=device, dtype=dtype)
+            self._compile(drafter, compile)
+            self.model = drafter
+            if self.parallel == "ddp":
+                from torch.nn.parallel import DistributedDataParallel
+
+                self.model = DistributedDataParallel(drafter, device_ids=[device] if cuda else None)
+                self.model.config = drafter.config  # training_hidden reads the drafter's config
+            self.params = list(drafter.parameters())
+            self.master = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
+                                           fused=cuda and self.parallel != "fsdp")
+        warmup = max(1, round(tcfg.warmup_ratio * total_steps)) if tcfg.warmup_ratio > 0 else 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, total_steps, warmup))
+
+    @staticmethod
+    def _compile(drafter: DFlashDrafter, enabled: bool) -> None:
+        if enabled:  # per layer, in place: parameter names stay the reference names
+            for layer in drafter.layers:
+                layer.compile()
+
+    def _sync(self, last: bool):
+        """Gradients are reduced across ranks on the last micro-batch only."""
+        if self.parallel == "ddp" and not last:
+            return self.model.no_sync()
+        if self.parallel == "fsdp":
+            self.model.set_requires_gradient_sync(last)
+        return nullcontext()
+
+    def _forward(self, mb: MicroBatch):
+        return block_loss(self.model, self.embed, self.head_weight, mb, self.settings, self.backend)
+
+    def step(self, batches: Iterable[MicroBatch], n: int) -> dict[str, float]:
+        """One optimiser step over `n` micro-batches (this rank's share of the global batch)."""
+        self.model.train()
+        B = self.cfg.block_size
+        acc = torch.zeros(3 + 2 * B, dtype=torch.float64, device=self.head_weight.device)
+        for i, mb in enumerate(batches):
+            with self._sync(i == n - 1):
+                out = self._forward(mb)
+                out.loss_sum.backward()
+            acc += torch.cat([out.loss_sum.detach()[None], out.weight_sum[None], out.slot_correct, out.slot_count,
+                              out.block_valid.sum()[None]]).double()
+        _all_sum(acc, self.d)
+        loss_sum, weight_sum = acc[0], acc[1]
+        has_labels = bool(weight_sum > 0)
+        # Each rank back-propagated its sum; DDP/FSDP averaged over ranks: x world / global weight sum.
+        scale = self.d.world / float(weight_sum) if has_labels else 0.0
+        grads = []
+        for p, m in zip(self.params, self.master):
+            if p.grad is None:
+                continue
+            if m is not p:
+                m.grad = p.grad.float()
+                p.grad = None
+            grads.append(m.grad)
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip)
+        if has_labels:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._master_to_model()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        correct, count = acc[2: 2 + B], acc[2 + B: 2 + 2 * B]
+        return {"loss": float(loss_sum / weight_sum) if has_labels else float("nan"),
+                "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
+                "grad_norm": float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                "lr": lr, "block_tokens": float(acc[-1]) * B}
+
+    @torch.no_grad()
+    def _master_to_model(self) -> None:
+        pairs = [(p, m) for p, m in zip(self.params, self.master) if m is not p]
+        if pairs:
+            torch._foreach_copy_([p.data for p, _ in pairs], [m for _, m in pairs])
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[MicroBatch, bool]]) -> dict[str, Any]:
+        """Held-out loss, per-slot accuracy, tau_sim and the histogram of simulated acceptance lengths."""
+        self.model.eval()
+        B = self.cfg.block_size
+        dev = self.head_weight.device
+        acc = torch.zeros(2 + 2 * B + (B + 1), dtype=torch.float64, device=dev)
+        for mb, counted in batches:
+            out = self._forward(mb)
+            if not counted:
+                continue
+            hist = torch.bincount(out.accept_len[out.block_valid], minlength=B + 1)
+            acc += torch.cat([out.loss_sum[None], out.weight_sum[None], out.slot_correct, out.slot_count, hist]).double()
+        _all_sum(acc, self.d)
+        correct, count, hist = acc[2: 2 + B], acc[2 + B: 2 + 2 * B], acc[2 + 2 * B:]
+        n_blocks = float(hist.sum())
+        tau = float((hist * torch.arange(B + 1, device=dev)).sum() / max(n_blocks, 1.0))
+        return {"loss": float(acc[0] / acc[1].clamp(min=1e-12)),
+                "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
+                "tau_sim": tau,
+                "slot_acc": [round(float(c / max(float(k), 1.0)), 4) for c, k in zip(correct[1:], count[1:])],
+                "accept_hist": [int(h) for h in hist[1:]], "blocks": int(n_blocks)}
+
+    # ---- full, process-count-independent state ----
+    def state_dict(self) -> dict[str, Any]:
+        """Collective under FSDP (every rank must call); returns full fp32 tensors on the CPU."""
+        def full(t: Tensor) -> Tensor:
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            return t.detach().to("cpu", copy=True)
+
+        opt = {}
+        for name, m in zip(self.names, self.master):
+            st = self.optimizer.state.get(m, {})
+            opt[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in st.items()}
+        return {"params": {n: full(m).float() for n, m in zip(self.names, self.master)},
+                "optimizer": opt, "scheduler": self.scheduler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def like(src: Tensor, ref: Tensor) -> Tensor:
+            if hasattr(ref, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+
+                return distribute_tensor(src.to(ref.device_mesh.device_type), ref.device_mesh, ref.placements)
+            return src.to(ref.device)
+
+        missing = [n for n in self.names if n not in state["params"]]
+        if missing:
+            raise ValueError(f"training state lacks parameters {missing[:4]}: it belongs to another drafter architecture")
+        for name, m in zip(self.names, self.master):
+            m.copy_(like(state["params"][name].to(m.dtype), m))
+        sd = self.optimizer.state_dict()
+        sd["state"] = {}
+        for i, (name, m) in enumerate(zip(self.names, self.master)):
+            st = state["optimizer"].get(name)
+            if st:
+                sd["state"][i] = {k: (like(v, m) if torch.is_tensor(v) and v.dim() else v) for k, v in st.items()}
+        self.optimizer.load_state_dict(sd)
+        self.scheduler.load_state_dict(state["scheduler"])
+        for g, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            g["lr"] = lr
+        self._master_to_model()
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def export_drafter(config: DrafterConfig, params: dict[str, Tensor], dtype: torch.dtype) -> DFlashDrafter:
+    """A plain CPU drafter holding `params` (full tensors), for writing in the reference format."""
+    with torch.device("meta"):
+        d = DFlashDrafter(config)
+    d.load_state_dict({k: v.to(dtype) for k, v in params.items()}, assign=True)
+    return d
+
+
+def _replace_dir(final: Path, write: Callable[[Path], Any]) -> None:
+    """Write a directory under a temporary name, then rename it into place."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def save_checkpoint(out_dir: Path, step: int, drafter: DFlashDrafter, training_state: dict[str, Any], keep_last: int) -> Path:
+    ckpts = out_dir / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    final = ckpts / f"step-{step:08d}"
+    _replace_dir(final, lambda p: save_drafter(drafter, p, training_state=training_state))
+    atomic_write_json(out_dir / "latest.json", {"step": step, "checkpoint": str(final.relative_to(out_dir))})
+    for old in sorted(ckpts.glob("step-*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_resume(out_dir: Path, resume: bool | str | None) -> Path | None:
+    """`True`: the checkpoint named by `<output_dir>/latest.json`; a path: that checkpoint."""
+    if not resume:
+        return None
+    if resume is True:
+        latest = out_dir / "latest.json"
+        if not latest.is_file():
+            raise FileNotFoundError(f"--resume: {latest} does not exist (no checkpoint was written in {out_dir} yet)")
+        path = out_dir / json.loads(latest.read_text())["checkpoint"]
+    else:
+        path = Path(resume)
+    if not (path / "training_state.pt").is_file():
+        raise FileNotFoundError(f"--resume: {path} holds no training_state.pt (only step checkpoints can be resumed)")
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state()
+    return s
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+
+
+# ---- logging ---------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """metrics.jsonl (the source of the curves), TensorBoard, and W&B when asked. Main rank only."""
+
+    def __init__(self, out_dir: Path, start_step: int, tcfg, config: dict[str, Any], enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if start_step and self.path.is_file():  # drop what was logged after the checkpoint we resume from
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
+            atomic_write_bytes(self.path, "".join(ln + "\n" for ln in keep).encode())
+        elif not start_step:
+            self.path.unlink(missing_ok=True)
+        if tcfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+            except ImportError:
+                log.warning("tensorboard is not installed: logging to metrics.jsonl and the console only")
+        if tcfg.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("train.wandb_project is set but `wandb` is not installed (pip install wandb)") from None
+            self.wandb = wandb.init(project=tcfg.wandb_project, config=config, dir=str(out_dir), resume="allow",
+                                    id=hashlib.blake2b(str(out_dir.resolve()).encode(), digest_size=8).hexdigest())
+
+    def log(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+        scalars = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_curves(metrics: Path, png: Path) -> None:
+    """Loss, accuracy and tau_sim against the step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        r = [x for x in rows if x["kind"] == kind]
+        if not r:
+            continue
+        steps = [x["step"] for x in r]
+        axes[0].plot(steps, [x["loss"] for x in r], style, label=kind)
+        axes[1].plot(steps, [x["acc"] for x in r], style, label=kind)
+        if kind == "eval":
+            axes[2].plot(steps, [x["tau_sim"] for x in r], style, label="held-out")
+    for ax, title in zip(axes, ("loss", "slot accuracy (slots 1..B-1)", "tau_sim (simulated acceptance length)")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png)
+
+
+# ---- the job ---------------------------------------------------------------------------------
+
+
+def resolve_precision(tcfg, device: torch.device) -> tuple[torch.dtype, str, bool]:
+    """(dtype, attention backend, compile) from the config and the device."""
+    cuda = device.type == "cuda"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(tcfg.dtype, torch.bfloat16 if cuda else torch.float32)
+    backend = tcfg.attention if tcfg.attention != "auto" else ("flex" if cuda else "sdpa")
+    if backend == "flex" and not cuda:
+        raise ValueError("train.attention='flex' needs a GPU (FlexAttention has no CPU backward); use 'sdpa' or 'auto'")
+    return dtype, backend, tcfg.compile if tcfg.compile is not None else cuda
+
+
+def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
+          feature_layer_ids: list[int] | None = None, resume: bool | str | None = None) -> Path:
+    """Train a drafter as `cfg` says; returns the output directory (holding `final/`, `best/`,
+    `checkpoints/`, `metrics.jsonl`, `curves.png`). `target` / `samples` skip loading them."""
+    from dflashkit.commands import resolve_device
+
+    tc = cfg.train
+    want = torch.device(resolve_device(cfg.target.device))
+    d = init_distributed(want.type == "cuda")
+    device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
+    out_dir = Path(tc.output_dir)
+    if d.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(tc.seed)
+    if target is None:
+        from dflashkit.target import load_target
+
+        target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+    if samples is None:
+        samples, feature_layer_ids = load_training_data(cfg.data)
+    if len(samples) < 2:
+        raise ValueError(f"train: {len(samples)} training sequence(s); need at least 2")
+    dtype, backend, compile_ = resolve_precision(tc, device)
+
+    resume_dir = find_resume(out_dir, resume)
+    if resume_dir is not None:
+        drafter = load_drafter(resume_dir, target)
+    elif cfg.drafter.init_from:
+        drafter = load_drafter(cfg.drafter.init_from, target)
+    else:
+        from dflashkit.drafter import new_drafter
+
+        torch.manual_seed(tc.seed)  # identical initial weights on every rank
+        drafter = new_drafter(target, cfg.drafter)
+    dcfg = drafter.config
+    check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
+
+    train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed)
+    total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
+    head = target.model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"target {target.name}: an LM head with a bias is not supported")
+    trainer = Trainer(drafter, target.embed, head.weight, tc, total, device=device, dtype=dtype, d=d,
+                      backend=backend, compile=compile_)
+    start, best = 0, {"tau_sim": -1.0, "step": None}
+    if resume_dir is not None:
+        state = load_training_state(resume_dir)
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"{resume_dir}/training_state.pt: version {state.get('version')}, expected {STATE_VERSION}")
+        for key, now in (("batch_size", tc.batch_size), ("num_train", len(train_idx)), ("total_steps", total)):
+            if state[key] != now:
+                raise ValueError(f"--resume: the checkpoint was trained with {key}={state[key]}, this run has {now}; "
+                                 "the data position cannot be carried over")
+        trainer.load_state_dict(state)
+        _set_rng_state(state["rng"])
+        start, best = state["step"], state["best"]
+        log.info("resumed from %s at step %d", resume_dir, start)
+
+    batcher = Batcher(samples, feature_layer_ids, target, dcfg, tc, cfg.data.max_length, device, dtype)
+    metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
+    if d.main:
+        log.info("training %s: %d steps of %d sequences (%d train, %d held out), %s attention, %s, %d process(es) %s",
+                 f"{dcfg.num_hidden_layers}-layer drafter", total, tc.batch_size, len(train_idx), len(eval_idx),
+                 backend, str(dtype).removeprefix("torch."), d.world, trainer.parallel)
+
+    def checkpoint(step: int) -> None:
+        full = trainer.state_dict()
+        if d.main:
+            state = {"version": STATE_VERSION, "step": step, "total_steps": total, "batch_size": tc.batch_size,
+                     "num_train": len(train_idx), "best": best, "rng": _rng_state(), "config": cfg.model_dump(), **full}
+            save_checkpoint(out_dir, step, export_drafter(dcfg, full["params"], dtype), state, tc.keep_last)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not d.main, dynamic_ncols=True)
+    t_last, tokens = time.perf_counter(), 0.0
+    for step in range(start, total):
+        groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, train_idx, tc.seed)
+        stats = trainer.step((batcher.build(g) for g in groups), len(groups))
+        done = step + 1
+        tokens += stats.pop("block_tokens")
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tau=f"{max(best['tau_sim'], 0):.2f}")
+        if done % tc.log_every == 0 or done == total:
+            now = time.perf_counter()
+            stats["block_tokens_per_s"] = tokens / (now - t_last)
+            t_last, tokens = now, 0.0
+            metrics.log(done, "train", stats)
+            if d.main:
+                log.info("step %d/%d loss %.4f acc %.3f lr %.2e grad-norm %.3f %.0f block-tokens/s", done, total,
+                         stats["loss"], stats["acc"], stats["lr"], stats["grad_norm"], stats["block_tokens_per_s"])
+        if eval_idx and (done % tc.eval_every == 0 or done == total):
+            ev = trainer.evaluate((batcher.build(items), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
+            metrics.log(done, "eval", ev)
+            if d.main:
+                log.info("eval step %d: tau_sim %.3f acc %.3f loss %.4f (per slot %s)", done, ev["tau_sim"], ev["acc"],
+                         ev["loss"], ev["slot_acc"])
+            if ev["tau_sim"] > best["tau_sim"]:
+                best = {"tau_sim": ev["tau_sim"], "step": done}
+                full = trainer.state_dict()
+                if d.main:
+                    _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, full["params"], dtype), p))
+                    atomic_write_json(out_dir / "best.json", best)
+        if done % tc.save_every == 0 or done == total:
+            checkpoint(done)
+    bar.close()
+    if start < total or not (out_dir / "final").exists():
+        full = trainer.state_dict()
+        if d.main:
+            _replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, full["params"], dtype), p))
+    metrics.close()
+    if d.main and metrics.path.is_file():
+        plot_curves(metrics.path, out_dir / "curves.png")
+        log.info("done: %s (best tau_sim %.3f at step %s)", out_dir / "final", best["tau_sim"], best["step"])
+    if d.world > 1:
+        dist.barrier()
+    return out_dir
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dflashkit.commands import add_config_options
+
+    p.add_argument("--resume", action="store_true", help="continue from <train.output_dir>/latest.json")
+    p.add_argument("--resume-from", metavar="CKPT", help="continue from this step checkpoint directory")
+    add_config_options(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflashkit.commands import config_from_args
+
+    cfg = config_from_args(args)
+    out = train(cfg, resume=args.resume_from or args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"drafter: {out / 'final'} (best by tau_sim: {out / 'best'}); curves: {out / 'curves.png'}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,146 @@
+"""The trainer: schedule, data order, multi-process equivalence, exact resume after kill -9, and a
+short run of the real pipeline (`dflashkit train`) on the SmolLM2 testbed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dflashkit.checkpoint import load_drafter, load_training_state
+from dflashkit.drafter import default_target_layer_ids
+from dflashkit.train import Dist, lr_factor, step_items
+from train_job import losses, run_job, spawn_rank
+
+HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, jobs: list[tuple[str, list[str], bool | str | None]]) -> None:
+    mp.spawn(spawn_rank, args=(world, _free_port(), jobs), nprocs=world, join=True)
+
+
+def test_warmup_then_cosine():
+    total, warmup = 100, 4
+    assert [lr_factor(s, total, warmup) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, total, warmup) == 1.0
+    assert lr_factor(52, total, warmup) == pytest.approx(0.5)
+    assert lr_factor(99, total, warmup) == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 96)))
+
+
+def test_global_batch_is_the_same_on_any_number_of_processes():
+    train_idx = list(range(10, 40, 3))  # 10 sequences: steps 0..4 cross two epoch boundaries
+    for step in range(5):
+        one = [x for g in step_items(step, 4, 1, Dist(), train_idx, 0) for x in g]
+        two = [x for r in range(2) for g in step_items(step, 4, 2, Dist(r, 2, r), train_idx, 0) for x in g]
+        assert one == two and [p for p, _ in one] == list(range(4 * step, 4 * step + 4))
+    stream = [i for s in range(5) for g in step_items(s, 4, 1, Dist(), train_idx, 0) for _, i in g]
+    assert sorted(stream[:10]) == sorted(stream[10:20]) == train_idx  # each epoch: a permutation
+    assert stream[:10] != stream[10:20]
+    with pytest.raises(ValueError, match="multiple of the number of processes"):
+        step_items(0, 5, 1, Dist(0, 2, 0), train_idx, 0)
+
+
+def test_two_gloo_processes_match_one_and_resume_onto_fsdp(tmp_path):
+    one = tmp_path / "one"
+    run_job(str(one), ["train.micro_batch_size=2"])
+    ref = losses(one)
+    assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
+    # DDP, two ranks, same global batch of 4 (2 per rank, micro-batches of 1: accumulation differs too);
+    # then FSDP2, two ranks, resumed from the single-process checkpoint of step 2.
+    _spawn(2, [(str(tmp_path / "ddp"), [], None),
+               (str(tmp_path / "fsdp"), ["train.parallel=fsdp"], str(one / "checkpoints" / "step-00000002"))])
+    assert losses(tmp_path / "ddp") == pytest.approx(ref, rel=1e-5)
+    assert losses(tmp_path / "ddp", "eval", "tau_sim") == pytest.approx(losses(one, "eval", "tau_sim"), rel=1e-6)
+    got = losses(tmp_path / "fsdp")
+    assert sorted(got) == [3, 4]
+    assert got == pytest.approx({k: ref[k] for k in (3, 4)}, rel=1e-5)
+    a = load_training_state(one / "checkpoints" / "step-00000004")["params"]
+    b = load_training_state(tmp_path / "fsdp" / "checkpoints" / "step-00000004")["params"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+def test_kill9_then_resume_gives_the_same_losses(tmp_path):
+    steps = ["train.max_steps=6"]
+    ref_dir = tmp_path / "ref"
+    run_job(str(ref_dir), steps)
+    ref = losses(ref_dir)
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(HERE / "train_job.py"), str(out), "--sleep", "0.4", *steps], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = out / "latest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and json.loads(latest.read_text())["step"] >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job ended before it could be killed"
+    time.sleep(0.5)  # somewhere inside the steps after the checkpoint
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < 6
+    run_job(str(out), steps, resume=True)
+    got = losses(out)
+    assert sorted(got) == list(range(1, 7))  # nothing lost, nothing logged twice
+    assert got == pytest.approx(ref, rel=1e-6)
+    a, b = load_drafter(ref_dir / "final"), load_drafter(out / "final")
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
+
+
+@pytest.mark.slow
+def test_real_pipeline_on_smollm2_cli(tmp_path):
+    """`dflashkit train` end to end: tokenized JSONL -> online features from SmolLM2 -> drafter."""
+    from dflashkit.cli import main
+    from dflashkit.data.chat import load_tokenizer, tokenize_conversation
+
+    tok = load_tokenizer()
+    convs = [("Write a function that adds two numbers.", "def add(a, b):\n    return a + b\n"),
+             ("Reverse a string in Python.", "def reverse(s):\n    return s[::-1]\n"),
+             ("Square every item of a list.", "def squares(xs):\n    return [x * x for x in xs]\n"),
+             ("Return the maximum of a list.", "def biggest(xs):\n    return max(xs)\n"),
+             ("Count the vowels in a word.", "def vowels(w):\n    return sum(c in 'aeiou' for c in w)\n"),
+             ("Check whether a number is even.", "def is_even(n):\n    return n % 2 == 0\n")]
+    path = tmp_path / "tok.jsonl"
+    with open(path, "w") as f:
+        for i, (q, a) in enumerate(convs):
+            s = tokenize_conversation(tok, [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                      max_length=128, id=str(i))
+            f.write(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
+    out = tmp_path / "run"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = main(["train", f"data.tokenized={path}", f"train.output_dir={out}", "train.max_steps=6", "train.batch_size=2",
+                   "train.micro_batch_size=2", "train.anchors_per_seq=16", "train.eval_every=3", "train.eval_samples=1",
+                   "train.log_every=1", "train.lr=2e-3", "drafter.num_layers=1", "target.device=cpu"])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0
+    train_loss = losses(out)
+    assert sorted(train_loss) == list(range(1, 7))
+    assert train_loss[6] < train_loss[1]  # it learns (five sequences seen three times)
+    tau = losses(out, "eval", "tau_sim")
+    assert sorted(tau) == [3, 6] and all(1.0 <= t <= 16.0 for t in tau.values())
+    drafter = load_drafter(out / "final")
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == drafter.config.target_layer_ids == default_target_layer_ids(30, 5)
+    assert (out / "best" / "model.safetensors").is_file() and (out / "curves.png").stat().st_size > 10_000

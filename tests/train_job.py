@@ -1,0 +1,80 @@
+"""A tiny, deterministic training job for test_train.py: in-process, in spawned gloo ranks, or as a
+script that can be killed (`python train_job.py OUT [--resume] [--sleep S] [overrides...]`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import make_tiny_target  # noqa: E402
+from dflashkit.config import load_config  # noqa: E402
+from dflashkit.data.chat import TokenizedSample  # noqa: E402
+
+BASE = ["train.max_steps=4", "train.batch_size=4", "train.micro_batch_size=1", "train.anchors_per_seq=6",
+        "train.eval_every=2", "train.eval_samples=4", "train.save_every=2", "train.log_every=1",
+        "train.tensorboard=false", "drafter.num_layers=2", "drafter.num_taps=3", "drafter.block_size=8",
+        "drafter.mask_token_id=127", "target.device=cpu"]
+
+
+def tiny_samples(n: int = 24, seed: int = 0) -> list[TokenizedSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(16, 48, (1,), generator=g))
+        prompt = int(torch.randint(2, 8, (1,), generator=g))
+        ids = torch.randint(3, 120, (T,), generator=g).tolist()
+        out.append(TokenizedSample(str(i), ids, [0] * prompt + [1] * (T - prompt)))
+    return out
+
+
+def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None = None, sleep: float = 0.0) -> Path:
+    from dflashkit import train as train_mod
+
+    torch.set_num_threads(1)
+    if sleep:  # slow each step down so that a test can kill the job mid-run (numerics unchanged)
+        real = train_mod.Trainer.step
+
+        def slow(self, *a, **k):
+            time.sleep(sleep)
+            return real(self, *a, **k)
+
+        train_mod.Trainer.step = slow
+    cfg = load_config(None, [*BASE, f"train.output_dir={out_dir}", *overrides])
+    return train_mod.train(cfg, target=make_tiny_target(), samples=tiny_samples(), resume=resume)
+
+
+def spawn_rank(rank: int, world: int, port: int, jobs: list[tuple[str, list[str], bool | str | None]]) -> None:
+    """One gloo rank running `jobs` (out_dir, overrides, resume) one after the other."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        for out_dir, overrides, resume in jobs:
+            run_job(out_dir, overrides, resume)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def losses(out_dir: str | Path, kind: str = "train", key: str = "loss") -> dict[int, float]:
+    rows = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r[key] for r in rows if r["kind"] == kind}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_intermixed_args()
+    run_job(a.out, a.overrides, a.resume or None, a.sleep)
