@@ -11,11 +11,22 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 # Test process and child processes share the machine's cores; one thread each avoids the
 # oversubscription that makes 2-thread torch several times slower on a busy 2-core box.
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module", autouse=False)
+def one_thread():
+    """Torch on one thread in this process for a module: with 2 threads on a 2-core machine that
+    is busy (other processes, our own server/CLI children), small-model work runs 5-20x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0) -> Path:

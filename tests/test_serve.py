@@ -12,11 +12,11 @@ import openai
 import pytest
 import torch
 
-from datahelpers import live_server
+from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit.data.chat import prompt_ids
 from dflashkit.serve import sample_token
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

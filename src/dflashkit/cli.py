@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("dflashkit.commands", "print the default configuration (YAML), with overrides applied"),
     "draft": ("dflashkit.commands", "load a target, draft one block for a prompt with a (possibly untrained) drafter"),
+    "regenerate": ("dflashkit.data.regenerate", "the target answers the prompts (local Transformers or an OpenAI-compatible server), resumable JSONL"),
     "tokenize": ("dflashkit.data.chat", "apply the chat template: token ids + assistant-only loss masks (JSONL)"),
     "train": ("dflashkit.train", "train a drafter: DFlash recipe, one GPU or torchrun (DDP / FSDP2), resumable, tau_sim while training"),
     "doctor": ("dflashkit.doctor", "check a drafter against a target (and training data against evaluation) before training or serving"),

@@ -1,0 +1,340 @@
+"""`dflashkit regenerate`: the target writes the answers the drafter will learn.
+
+Every conversation is cut after its last user turn and answered by the target, either locally
+(Transformers `generate`, batched) or by any OpenAI-compatible server (vLLM, SGLang,
+`dflashkit serve`) with bounded concurrency, timeouts and retries.
+
+Output: append-only JSONL, one line per answered prompt:
+`{"id", "messages": context + [assistant answer], "source", "finish_reason", "prompt_tokens",
+"completion_tokens", "params"}`. A re-run skips the ids already there; a line cut by a kill is
+dropped and redone. Local batches are planned over the whole prompt list and re-run whole, so a
+greedy run that was interrupted writes exactly what an uninterrupted one writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import random
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+from dflashkit.data.chat import prompt_ids
+from dflashkit.data.prompts import Conversation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    thinking: bool = False
+    seed: int = 0
+
+
+@dataclass
+class RegenerateStats:
+    prompts: int = 0
+    already_done: int = 0
+    written: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    retries: int = 0  # HTTP attempts that were retried
+    failed: dict[str, str] = field(default_factory=dict)  # id -> last error (not written; a re-run retries them)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+
+def context_messages(conv: Conversation) -> list[dict]:
+    """The conversation up to its last user turn: what the target answers."""
+    last = max(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+    return conv.messages[:last + 1]
+
+
+# ---- the append-only output ----------------------------------------------------------------------------
+
+
+@contextmanager
+def open_output(path: str | Path, params: GenerationParams) -> Iterator[tuple[TextIO, set[str]]]:
+    """Open the JSONL for appending; yield it and the ids already answered.
+
+    An incomplete last line (a kill during a write) is cut off. The file is locked: two runs
+    appending to it at once would duplicate work. Lines written with other generation
+    parameters are an error: one file, one recipe."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{path} is being written by another `regenerate` run") from None
+        f.seek(0)
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            log.warning("%s: dropping an incomplete last line (an interrupted write); it is regenerated", path)
+            f.truncate(end)
+        done: set[str] = set()
+        want = asdict(params)
+        for lineno, line in enumerate(data[:end].splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                rid, got = rec["id"], rec.get("params")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{lineno}: not a regenerate record (expected JSON with an 'id'); "
+                                 "fix or remove the line, or write to another file") from None
+            if got != want:
+                raise ValueError(f"{path}:{lineno}: written with generation params {got}, this run uses {want}; "
+                                 "use another output file")
+            done.add(rid)
+        with open(f.fileno(), "a", encoding="utf-8", closefd=False) as out:
+            try:
+                yield out, done
+            finally:
+                out.flush()
+                os.fsync(out.fileno())
+
+
+def _write(out: TextIO, conv: Conversation, context: list[dict], answer: str, finish: str, prompt_tokens: int,
+           completion_tokens: int, params: GenerationParams) -> None:
+    rec = {"id": conv.id, "messages": context + [{"role": "assistant", "content": answer}], "source": conv.source,
+           "finish_reason": finish, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "params": asdict(params)}
+    out.write(json.dumps(rec, ensure_ascii=False) + "\n")  # one write per line: a kill cuts at most this line
+    out.flush()
+
+
+# ---- local back-end ---------------------------------------------------------------------------------
+
+
+def regenerate_local(target: Any, conversations: list[Conversation], out_path: str | Path, params: GenerationParams,
+                     *, batch_size: int = 8) -> RegenerateStats:
+    """Answer with the target's own `generate`, `batch_size` prompts at a time (left padded)."""
+    from transformers import GenerationConfig
+
+    from dflashkit.vocab import stop_token_ids
+
+    tok = target.tokenizer
+    stops = sorted(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    # Every field explicit: a model's own generation_config (Qwen3: sampling, top_k=20) must not leak in.
+    sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0) \
+        if params.temperature > 0 else dict(do_sample=False)
+    gen = GenerationConfig(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=stops, **sampling)
+    contexts = [context_messages(c) for c in conversations]
+    ids = [prompt_ids(tok, m, thinking=params.thinking) for m in contexts]
+    # The plan covers every prompt, done or not, so that batches (and thus greedy numerics) do not
+    # depend on where an earlier run stopped. Longest first: padding is small and OOM shows at once.
+    order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
+    plan = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    stats = RegenerateStats(prompts=len(conversations))
+    with open_output(out_path, params) as (out, done):
+        stats.already_done = sum(c.id in done for c in conversations)
+        bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
+        t0 = time.perf_counter()
+        for b, batch in enumerate(plan):
+            todo = [i for i in batch if conversations[i].id not in done]
+            if not todo:
+                continue
+            width = max(len(ids[i]) for i in batch)
+            x = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in batch], device=target.device)  # [b, w]
+            # From lengths, not `x != pad`: SmolLM2 pads with its EOS, which every chat prompt contains.
+            real = torch.tensor([[k >= width - len(ids[i]) for k in range(width)] for i in batch], device=x.device)
+            torch.manual_seed(params.seed + b)  # sampling reproducible per planned batch
+            y = target.model.generate(input_ids=x, attention_mask=real.long(), generation_config=gen)[:, width:].tolist()
+            for i, row in zip(batch, y):
+                if i not in todo:
+                    continue
+                cut = next((k for k, t in enumerate(row) if t in stops), None)
+                answer = tok.decode(row[:cut], skip_special_tokens=True)
+                n = len(row) if cut is None else cut + 1
+                _write(out, conversations[i], contexts[i], answer, "length" if cut is None else "stop", len(ids[i]), n, params)
+                stats.written += 1
+                stats.completion_tokens += n
+                bar.update(1)
+        stats.seconds = time.perf_counter() - t0
+        bar.close()
+    return stats
+
+
+# ---- HTTP back-end ----------------------------------------------------------------------------------
+
+
+class RequestFailed(RuntimeError):
+    pass
+
+
+def post_with_retries(client: Any, url: str, body: dict, *, retries: int, backoff: float, timeout: float) -> tuple[dict, int]:
+    """POST JSON; retry timeouts, connection errors, 408/429/5xx with exponential backoff and
+    jitter (or the server's Retry-After). Other 4xx fail at once: retrying cannot fix them.
+    Returns (response JSON, number of retries)."""
+    import httpx
+
+    err = ""
+    for attempt in range(retries + 1):
+        wait_s = backoff * 2 ** attempt * (0.5 + random.random())
+        try:
+            r = client.post(url, json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            err = f"timed out after {timeout}s"
+        except httpx.TransportError as e:
+            err = f"{type(e).__name__}: {e}"
+        else:
+            if r.status_code == 200:
+                return r.json(), attempt
+            err = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code < 500 and r.status_code not in (408, 429):
+                raise RequestFailed(err)
+            if r.headers.get("retry-after", "").isdigit():
+                wait_s = float(r.headers["retry-after"])
+        if attempt < retries:
+            time.sleep(wait_s)
+    raise RequestFailed(f"gave up after {retries + 1} attempts; last error: {err}")
+
+
+def served_model(client: Any, base_url: str, timeout: float) -> str:
+    """The first model the server lists (GET /v1/models); also checks that it is up."""
+    import httpx
+
+    try:
+        r = client.get(f"{base_url}/models", timeout=timeout)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise RuntimeError(f"{base_url}/models: cannot list the served models ({e}); is the server up? "
+                           "Pass --model to skip this check") from None
+
+
+def regenerate_http(base_url: str, conversations: list[Conversation], out_path: str | Path, params: GenerationParams,
+                    *, model: str | None = None, concurrency: int = 8, timeout: float = 300.0, retries: int = 5,
+                    backoff: float = 1.0, api_key: str | None = None) -> RegenerateStats:
+    """Answer through an OpenAI-compatible `/v1/chat/completions`, `concurrency` requests in flight.
+
+    `base_url` ends with `/v1`. A prompt that still fails after its retries is listed in
+    `stats.failed` and not written; a re-run retries it."""
+    try:
+        import httpx
+    except ImportError:
+        raise ImportError("the HTTP back-end needs httpx: pip install 'dflashkit[serve]'") from None
+
+    base_url = base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key or os.environ.get('OPENAI_API_KEY', 'none')}"}
+    stats = RegenerateStats(prompts=len(conversations))
+    with httpx.Client(headers=headers, limits=httpx.Limits(max_connections=concurrency)) as client, \
+            open_output(out_path, params) as (out, done), ThreadPoolExecutor(concurrency) as pool:
+        model = model or served_model(client, base_url, timeout)
+        todo = [c for c in conversations if c.id not in done]
+        stats.already_done = len(conversations) - len(todo)
+
+        def ask(conv: Conversation) -> tuple[dict, int]:
+            body = {"model": model, "messages": context_messages(conv), "max_tokens": params.max_new_tokens,
+                    "temperature": params.temperature, "top_p": params.top_p,
+                    "seed": params.seed + zlib.crc32(conv.id.encode()),  # reproducible per prompt
+                    "chat_template_kwargs": {"enable_thinking": params.thinking}}
+            return post_with_retries(client, f"{base_url}/chat/completions", body, retries=retries,
+                                     backoff=backoff, timeout=timeout)
+
+        bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
+        t0 = time.perf_counter()
+        pending: dict[Future, Conversation] = {}
+        queue = iter(todo)
+        while True:
+            # Bounded: at most 2x concurrency futures exist, whatever the number of prompts.
+            for conv in queue:
+                pending[pool.submit(ask, conv)] = conv
+                if len(pending) >= 2 * concurrency:
+                    break
+            if not pending:
+                break
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                conv = pending.pop(fut)
+                try:
+                    resp, n_retries = fut.result()
+                    choice, usage = resp["choices"][0], resp.get("usage") or {}
+                    answer = choice["message"].get("content") or ""
+                    reasoning = choice["message"].get("reasoning_content")
+                    if reasoning:  # servers with a reasoning parser split the thinking off
+                        answer = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+                except (RequestFailed, KeyError, IndexError, TypeError, ValueError) as e:
+                    stats.failed[conv.id] = str(e)
+                    log.warning("prompt %s failed: %s", conv.id, e)
+                    continue
+                finish = choice.get("finish_reason") or "stop"
+                n = int(usage.get("completion_tokens", 0))
+                _write(out, conv, context_messages(conv), answer, finish, int(usage.get("prompt_tokens", 0)), n, params)
+                stats.written += 1
+                stats.retries += n_retries
+                stats.completion_tokens += n
+                bar.update(1)
+        stats.seconds = time.perf_counter() - t0
+        bar.close()
+    return stats
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dflashkit.commands import add_config_options
+
+    p.add_argument("--out", metavar="JSONL", help="output file (default: data.regenerated)")
+    p.add_argument("--backend", choices=["local", "http"], default="local",
+                   help="local: Transformers generate on the target; http: an OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="http back-end: base URL, ending in /v1")
+    p.add_argument("--model", help="http back-end: model name (default: the first the server lists)")
+    p.add_argument("--concurrency", type=int, default=8, help="http back-end: requests in flight")
+    p.add_argument("--timeout", type=float, default=300.0, help="http back-end: seconds per request")
+    p.add_argument("--retries", type=int, default=5, help="http back-end: retries per request (backoff 1s, 2s, 4s...)")
+    add_config_options(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflashkit.commands import config_from_args, resolve_device
+    from dflashkit.data.prompts import load_prompts
+
+    cfg = config_from_args(args)
+    d = cfg.data
+    out = args.out or d.regenerated
+    if not out:
+        raise ValueError("regenerate needs an output file: --out PATH or data.regenerated=PATH")
+    if args.concurrency < 1 or args.retries < 0 or args.timeout <= 0:
+        raise ValueError("--concurrency must be >= 1, --retries >= 0 and --timeout > 0")
+    convs = load_prompts(d.prompts, limit=d.limit)
+    params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
+                              thinking=d.thinking, seed=d.seed)
+    if args.backend == "local":
+        from dflashkit.target import load_target
+
+        target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
+                             device=resolve_device(cfg.target.device))
+        stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
+    else:
+        stats = regenerate_http(args.url, convs, out, params, model=args.model, concurrency=args.concurrency,
+                                timeout=args.timeout, retries=args.retries)
+    print(f"{out}: {stats.written} answers written, {stats.already_done} already there, {len(stats.failed)} failed; "
+          f"{stats.completion_tokens} tokens in {stats.seconds:.1f}s ({stats.tokens_per_s:.1f} tokens/s)"
+          + (f", {stats.retries} retried requests" if args.backend == "http" else ""))
+    if stats.failed:
+        print(f"failed ids (re-run to retry them): {', '.join(sorted(stats.failed)[:20])}"
+              + (" ..." if len(stats.failed) > 20 else ""))
+        return 1
+    return 0

@@ -1,0 +1,118 @@
+"""`regenerate`: resumable append-only output (kill -9 mid-run loses and duplicates nothing), and
+the HTTP back-end against a live `dflashkit serve` that fails some requests."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from datahelpers import live_server, one_thread, run_cli, save_tiny_target, start_cli, wait_until  # noqa: F401
+from dflashkit.data.prompts import Conversation, load_prompts
+from dflashkit.data.regenerate import (GenerationParams, RequestFailed, post_with_retries, regenerate_http,
+                                       regenerate_local)
+from dflashkit.target import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUESTIONS = ["What is 2+2?", "Name a color.", "Say hi.", "What is Python?", "Count to three.", "Name a fruit."]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    # A multi-turn record: its old answer is dropped, earlier turns stay as context.
+    rows = [{"id": f"q{i}", "prompt": f"Question {i}: {QUESTIONS[i % len(QUESTIONS)]}"} for i in range(40)]
+    rows[1] = {"id": "q1", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                        {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "old"}]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def records(path) -> dict[str, dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [r["id"] for r in lines]
+    assert len(ids) == len(set(ids)), "duplicated ids"
+    return {r["id"]: r for r in lines}
+
+
+def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path):
+    convs = load_prompts(prompts_file)
+    params = GenerationParams(max_new_tokens=48)
+    ref = tmp_path / "ref.jsonl"
+    stats = regenerate_local(load_target(tiny_dir), convs, ref, params, batch_size=4)
+    assert stats.written == 40 and stats.completion_tokens > 0
+    want = records(ref)
+    assert want["q1"]["messages"][:3] == convs[1].messages[:3] and want["q1"]["messages"][3]["content"] != "old"
+
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", "--out", str(out), f"target.path={tiny_dir}", f"data.prompts={prompts_file}",
+            "data.max_new_tokens=48", "data.batch_size=4"]
+    proc = start_cli(*args)
+    try:
+        assert wait_until(lambda: out.exists() and out.read_bytes().count(b"\n") >= 6, proc), proc.stdout.read()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    done = out.read_bytes().count(b"\n")
+    assert 6 <= done < 40, "the run was not interrupted mid-way"
+    with open(out, "ab") as f:  # as if the kill had cut a write in half
+        f.write(b'{"id": "q39", "messages": [{"ro')
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert f"{40 - done} answers written, {done} already there" in res.stdout
+    assert records(out) == want  # greedy: exactly what the uninterrupted run wrote
+
+    with pytest.raises(ValueError, match=f"{out}:1: written with generation params"):
+        regenerate_local(load_target(tiny_dir), convs, out, GenerationParams(max_new_tokens=8))
+
+
+@pytest.fixture(scope="module")
+def failing_server():
+    with live_server("--fail-every", "3") as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_http_backend_with_failing_server(failing_server, smollm2, tmp_path):
+    convs = [Conversation(f"h{i}", [{"role": "user", "content": q}], "test") for i, q in enumerate(QUESTIONS)]
+    params = GenerationParams(max_new_tokens=8)
+    out = tmp_path / "http.jsonl"
+    # No retries: every 3rd request fails and is reported, nothing is written for it.
+    first = regenerate_http(failing_server, convs, out, params, concurrency=3, retries=0)
+    assert first.failed and first.written == len(convs) - len(first.failed)
+    assert all("HTTP 500" in e for e in first.failed.values())
+    # A re-run with retries (backoff) completes the rest without duplicating anything.
+    second = regenerate_http(failing_server, convs, out, params, concurrency=3, retries=6, backoff=0.05)
+    assert not second.failed and second.already_done == first.written and second.written == len(first.failed)
+    got = records(out)
+    assert set(got) == {c.id for c in convs}
+    health = httpx.get(failing_server.removesuffix("/v1") + "/health").json()
+    assert health["injected_failures"] >= len(first.failed) + second.retries
+
+    # The server's answers are the target's own greedy answers.
+    ref = tmp_path / "local.jsonl"
+    regenerate_local(smollm2, convs, ref, params, batch_size=1)
+    local = records(ref)
+    for i in got:
+        assert got[i]["messages"] == local[i]["messages"]
+        assert (got[i]["finish_reason"], got[i]["completion_tokens"]) == (local[i]["finish_reason"], local[i]["completion_tokens"])
+
+
+@pytest.mark.slow
+def test_http_client_errors_are_not_retried(failing_server):
+    t0 = time.perf_counter()
+    with httpx.Client() as client, pytest.raises(RequestFailed, match="HTTP 400"):
+        post_with_retries(client, f"{failing_server}/chat/completions", {"messages": []}, retries=5, backoff=1.0,
+                          timeout=30)
+    assert time.perf_counter() - t0 < 1.0  # no backoff sleeps
+    with httpx.Client() as client, pytest.raises(RequestFailed, match="gave up after 2 attempts"):
+        post_with_retries(client, "http://127.0.0.1:9/v1/chat/completions", {}, retries=1, backoff=0.01, timeout=5)
