@@ -79,7 +79,8 @@ def _compiled_flex():
 
 def flex_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     # Compiled on GPU (fused kernel); eager elsewhere (a reference implementation, for tests).
-    fn = _compiled_flex() if q.is_cuda else _flex
+    # Inside a compiled caller (the trainer compiles its layers) the op is traced as it is.
+    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else _flex
     return fn(q, k, v, **kwargs)
 
 

@@ -77,10 +77,10 @@ def block_labels(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, anchor_v
     return torch.where(ok, tok, IGNORE).flatten(1)
 
 
-def slot_weights(block_size: int, gamma: float) -> Tensor:
+def slot_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> Tensor:
     """[B]: 0 for slot 0, exp(-(k - 1) / gamma) for slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
 
 
 def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
@@ -230,9 +230,13 @@ class MicroBatch:
     final_hidden: Tensor | None = None  # [b, T, H] target's final hidden state ("kl" only; never noised)
 
     def to(self, device, dtype: torch.dtype | None = None) -> "MicroBatch":
+        pin = torch.device(device).type == "cuda"
+
         def mv(t: Tensor | None, float_: bool = False) -> Tensor | None:
             if t is None:
                 return None
+            if pin and t.device.type == "cpu":  # a pageable copy would wait for the GPU to drain
+                t = t.pin_memory()
             return t.to(device=device, dtype=dtype if float_ and dtype else t.dtype, non_blocking=True)
 
         return MicroBatch(mv(self.input_ids), mv(self.ctx_valid), mv(self.features, True), mv(self.anchors),
@@ -280,7 +284,7 @@ def block_loss(drafter, embed, head_weight: Tensor, mb: MicroBatch, settings: Lo
         valid = (labels != IGNORE).view(-1, B)
         w = dpace_weights(grid_ce, valid, settings.dpace_alpha).flatten()[rows]
     else:
-        w = slot_weights(B, settings.gamma).to(ce.device)[slot]
+        w = slot_weights(B, settings.gamma, ce.device)[slot]
     per_row = ce if settings.loss != "kl" else (1 - settings.kl_weight) * ce + settings.kl_weight * kl
     hit = top == labels[rows]
     match = torch.zeros(labels.numel(), dtype=torch.bool, device=rows.device).index_copy_(0, rows, hit).view(-1, B)
@@ -288,8 +292,8 @@ def block_loss(drafter, embed, head_weight: Tensor, mb: MicroBatch, settings: Lo
     return LossOut(
         loss_sum=(w * per_row).sum(),
         weight_sum=w.sum().detach(),
-        slot_correct=torch.bincount(slot, weights=hit.float(), minlength=B),
-        slot_count=torch.bincount(slot, minlength=B).float(),
+        slot_correct=torch.zeros(B, device=ce.device).index_add_(0, slot, hit.float()),  # bincount would sync
+        slot_count=torch.zeros(B, device=ce.device).index_add_(0, slot, torch.ones_like(ce)),
         accept_len=accept,
         block_valid=(labels.view(-1, B) != IGNORE).any(-1),
     )

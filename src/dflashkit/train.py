@@ -180,7 +180,8 @@ class Batcher:
             [sample_anchors(m, self.tcfg.anchors_per_seq, _generator(seed, "anchors", k)) for (k, _), (_, m, _) in zip(items, seqs)],
             multiple=ANCHOR_MULTIPLE)
         if self.online_layers is not None:
-            feats = self.target.forward(ids.to(self.device), self.online_layers, logits=False).features
+            dev_ids = ids.pin_memory() if self.device.type == "cuda" else ids
+            feats = self.target.forward(dev_ids.to(self.device, non_blocking=True), self.online_layers, logits=False).features
         else:
             feats = torch.zeros(b, T, seqs[0][2].shape[-1], dtype=seqs[0][2].dtype)
             for j, (x, _, f) in enumerate(seqs):
