@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "draft": ("dflashkit.commands", "load a target, draft one block for a prompt with a (possibly untrained) drafter"),
     "regenerate": ("dflashkit.data.regenerate", "the target answers the prompts (local Transformers or an OpenAI-compatible server), resumable JSONL"),
     "tokenize": ("dflashkit.data.chat", "apply the chat template: token ids + assistant-only loss masks (JSONL)"),
+    "extract": ("dflashkit.data.features", "target features of tokenized samples: sharded safetensors (bf16 or fp8) + manifest"),
+    "check-features": ("dflashkit.data.check", "compare two feature sources (caches, targets on other devices/dtypes) per layer"),
     "train": ("dflashkit.train", "train a drafter: DFlash recipe, one GPU or torchrun (DDP / FSDP2), resumable, tau_sim while training"),
     "doctor": ("dflashkit.doctor", "check a drafter against a target (and training data against evaluation) before training or serving"),
     "export": ("dflashkit.export", "write a drafter for serving engines: reference format (+ dflash.py) or vLLM speculators"),

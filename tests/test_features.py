@@ -1,0 +1,145 @@
+"""Target features: cache == recompute, fp8 ~ bf16, kill-and-resume, disjoint ranks, check-features."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+from datahelpers import one_thread, run_cli, save_tiny_target, start_cli, wait_until  # noqa: F401
+from dflashkit.cli import main as cli_main
+from dflashkit.data.chat import TokenizedSample, tokenize_conversation
+from dflashkit.data.check import Comparison
+from dflashkit.data.features import FeatureCache, extract_features, online_features, sha256_file
+from dflashkit.target import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAYERS = [1, 8, 15, 22, 27]  # SmolLM2 (30 layers), SPEC default for 5 taps
+
+
+def random_samples(n: int, seed: int = 0, lo: int = 8, hi: int = 48) -> list[TokenizedSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(TokenizedSample(f"s{i}", torch.randint(3, 49000, (T,), generator=g).tolist(),
+                                   [0] * (T // 2) + [1] * (T - T // 2)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def chats(smollm2):
+    qs = ["What is 2+2?", "Write a haiku about rain.", "def add(a, b):", "Explain recursion briefly.", "Hi!", "Name a prime."]
+    answers = ["2+2 is 4.", "Soft rain on the roof,\nthe garden drinks slowly.", "    return a + b",
+               "A function that calls itself on a smaller input.", "Hello! How can I help?", "7"]
+    return [tokenize_conversation(smollm2.tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                  max_length=256, id=f"c{i}") for i, (q, a) in enumerate(zip(qs, answers))]
+
+
+@pytest.fixture(scope="module")
+def caches(smollm2, chats, tmp_path_factory):
+    root = tmp_path_factory.mktemp("features")
+    return {name: (root / name, extract_features(smollm2, chats, LAYERS, root / name, dtype=dt, batch_size=bs, shard_size=120))
+            for name, dt, bs in [("bf16_b1", "bfloat16", 1), ("bf16", "bfloat16", 3), ("fp8", "fp8", 3)]}
+
+
+@pytest.mark.slow
+def test_cache_equals_recompute(smollm2, chats, caches):
+    path, manifest = caches["bf16_b1"]
+    cache = FeatureCache(path, verify=True)
+    batched = FeatureCache(caches["bf16"][0])
+    assert len(cache) == len(chats) == manifest["num_samples"] and manifest["num_shards"] > 1
+    assert manifest["num_tokens"] == sum(len(s.input_ids) for s in chats)
+    assert manifest["layer_ids"] == LAYERS and cache.layer_ids == LAYERS and cache.ids == [s.id for s in chats]
+    assert all(sha256_file(path / s["file"]) == s["sha256"] for s in manifest["shards"])
+    for i, s in enumerate(chats):
+        ref = online_features(smollm2, torch.tensor([s.input_ids]), LAYERS)[0]  # [T, 5 * 576]
+        got = cache[i]
+        assert got.id == s.id and got.input_ids.tolist() == s.input_ids and got.loss_mask.int().tolist() == s.loss_mask
+        assert got.features.dtype == torch.float32 and got.features.shape == (len(s.input_ids), 5 * 576)
+        # Unbatched extraction is the very same computation, stored in bf16.
+        assert torch.equal(got.features, ref.bfloat16().float())
+        # Padded batches change fp32 rounding only: within bf16 precision.
+        torch.testing.assert_close(batched[i].features, ref, rtol=2 ** -7, atol=1e-2)
+    assert cache.target_problems(smollm2) == []
+
+
+@pytest.mark.slow
+def test_fp8_close_to_bf16_at_half_the_bytes(caches):
+    bf16, fp8 = FeatureCache(caches["bf16"][0]), FeatureCache(caches["fp8"][0])
+    cmp = Comparison(LAYERS)
+    for i in range(len(bf16)):
+        cmp.add(bf16[i].features, fp8[i].features)
+    for row in cmp.report():
+        assert row.cosine_mean > 0.999 and row.cosine_min > 0.999, row
+    ratio = caches["fp8"][1]["bytes_per_token"] / caches["bf16"][1]["bytes_per_token"]
+    assert 0.49 < ratio < 0.52
+    assert FeatureCache(caches["fp8"][0], dtype=torch.bfloat16)[0].features.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny") / "model", num_layers=6, hidden=64)
+
+
+def test_extract_kill_and_resume(tiny_dir, tmp_path):
+    samples = random_samples(400, lo=24, hi=64)
+    tok_file = tmp_path / "tok.jsonl"
+    tok_file.write_text("".join(json.dumps(s.__dict__) + "\n" for s in samples))
+    target = load_target(tiny_dir)
+    ref = extract_features(target, samples, [1, 3], tmp_path / "ref", batch_size=4, shard_size=200)
+
+    out = tmp_path / "out"
+    args = ["extract", "--input", str(tok_file), "--out", str(out), "--shard-size", "200", f"target.path={tiny_dir}",
+            "drafter.target_layer_ids=[1,3]", "drafter.num_taps=2", "data.batch_size=4"]
+    proc = start_cli(*args)
+    try:
+        assert wait_until(lambda: len(list(out.glob("shard-*.json"))) >= 2, proc), proc.stdout.read()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    done = len(list(out.glob("shard-*.json")))
+    assert 2 <= done < ref["num_shards"] and not (out / "manifest.json").exists()
+    with pytest.raises(FileNotFoundError, match="unfinished"):
+        FeatureCache(out)
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    # Same shards, byte for byte, as the uninterrupted run; no stray temp files.
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in ref["shards"]]
+    assert not list(out.glob(".*"))
+    ids = FeatureCache(out).ids
+    assert ids == [s.id for s in samples] and len(set(ids)) == len(ids)
+
+    with pytest.raises(ValueError, match="other settings .*dtype"):
+        extract_features(target, samples, [1, 3], out, dtype="fp8", batch_size=4, shard_size=200)
+
+
+def test_ranks_write_disjoint_shards(tiny_dir, tmp_path):
+    samples = random_samples(12)
+    target = load_target(tiny_dir)
+    single = extract_features(target, samples, [0, 2, 5], tmp_path / "one", shard_size=60)
+    assert single["num_shards"] >= 4
+    out = tmp_path / "two"
+    assert extract_features(target, samples, [0, 2, 5], out, shard_size=60, rank=0, world=2) is None
+    assert sorted(p.name for p in out.glob("shard-*.json")) == \
+        [f"shard-{k:05d}.json" for k in range(0, single["num_shards"], 2)]
+    both = extract_features(target, samples, [0, 2, 5], out, shard_size=60, rank=1, world=2)
+    assert both["shards"] == single["shards"]
+
+
+def test_check_features_cli(tiny_dir, tmp_path):
+    samples = random_samples(4)
+    a, b = tmp_path / "a", tmp_path / "b"
+    extract_features(load_target(tiny_dir), samples, [1, 3], a, shard_size=64)
+    report = tmp_path / "report.json"
+    assert cli_main(["check-features", str(a), "target", f"target.path={tiny_dir}", "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["layers"]
+    assert [r["layer"] for r in rows] == [1, 3] and all(r["cosine_min"] > 0.9999 for r in rows)
+    # Features of another model (a back-end that computes something else) are caught.
+    other = save_tiny_target(tmp_path / "other", num_layers=6, hidden=64, seed=1)
+    extract_features(load_target(other), samples, [1, 3], b, shard_size=64)
+    assert cli_main(["check-features", str(a), str(b)]) == 1
