@@ -84,15 +84,16 @@ def open_output(path: str | Path, params: GenerationParams) -> Iterator[tuple[Te
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"{path} is being written by another `regenerate` run") from None
-        f.seek(0)
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            log.warning("%s: dropping an incomplete last line (an interrupted write); it is regenerated", path)
-            f.truncate(end)
         done: set[str] = set()
         want = asdict(params)
-        for lineno, line in enumerate(data[:end].splitlines(), 1):
+        f.seek(0)
+        good = 0  # bytes of complete lines
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                log.warning("%s: dropping an incomplete last line (an interrupted write); it is regenerated", path)
+                f.truncate(good)
+                break
+            good += len(line)
             if not line.strip():
                 continue
             try:
