@@ -20,8 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "extract": ("dflashkit.data.features", "target features of tokenized samples: sharded safetensors (bf16 or fp8) + manifest"),
     "check-features": ("dflashkit.data.check", "compare two feature sources (caches, targets on other devices/dtypes) per layer"),
     "train": ("dflashkit.train", "train a drafter: DFlash recipe, one GPU or torchrun (DDP / FSDP2), resumable, tau_sim while training"),
+    "eval": ("dflashkit.evaluate", "acceptance length and speed-up of drafters: online (DFlash + DDTree budgets, vs autoregressive) or offline from cached features"),
     "doctor": ("dflashkit.doctor", "check a drafter against a target (and training data against evaluation) before training or serving"),
     "export": ("dflashkit.export", "write a drafter for serving engines: reference format (+ dflash.py) or vLLM speculators"),
+    "generate": ("dflashkit.decode", "one prompt in, text and decoding statistics out (speculative DFlash / DDTree or autoregressive)"),
     "serve": ("dflashkit.serve", "OpenAI-compatible HTTP server over the target (completions, chat, streaming)"),
 }
 
