@@ -224,11 +224,12 @@ def main() -> int:
                 report["pipeline"] = r
                 print(json.dumps(r), flush=True)
             continue
-        backend, mode = v.split(":")
+        backend, mode, *micro = v.split(":")  # backend:compile|eager[:micro-batches per step]
+        micro = int(micro[0]) if micro else args.micro
         if backend == "flex" and not cuda:
             continue  # no FlexAttention backward on CPU
         try:
-            r = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d, args.micro)
+            r = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d, micro)
         except Exception as e:  # report and carry on with the other variants
             r = {"backend": backend, "compile": mode == "compile", "error": f"{type(e).__name__}: {e}"[:2000]}
         if "matmul_tflops" in report and "tflops" in r:

@@ -76,6 +76,18 @@ def test_two_gloo_processes_match_one_and_resume_onto_fsdp(tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
 
 
+def test_offline_feature_cache_trains_like_online_features(tmp_path):
+    from dflashkit.data.features import extract_features
+    from train_job import make_tiny_target, tiny_samples
+
+    cache = tmp_path / "features"
+    extract_features(make_tiny_target(), tiny_samples(), [1, 2, 3], cache, dtype="float32", shard_size=300)
+    run_job(str(tmp_path / "online"), ["train.max_steps=2", "train.eval_every=1000"])
+    run_job(str(tmp_path / "offline"), ["train.max_steps=2", "train.eval_every=1000", f"data.features={cache}"],
+            samples=None)
+    assert losses(tmp_path / "offline") == pytest.approx(losses(tmp_path / "online"), rel=1e-5)
+
+
 def test_kill9_then_resume_gives_the_same_losses(tmp_path):
     steps = ["train.max_steps=6"]
     ref_dir = tmp_path / "ref"

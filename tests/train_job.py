@@ -35,7 +35,9 @@ def tiny_samples(n: int = 24, seed: int = 0) -> list[TokenizedSample]:
     return out
 
 
-def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None = None, sleep: float = 0.0) -> Path:
+def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None = None, sleep: float = 0.0,
+            samples: list | None = ...) -> Path:
+    """`samples=None`: read them from the config's data section (e.g. data.features)."""
     from dflashkit import train as train_mod
 
     torch.set_num_threads(1)
@@ -48,7 +50,8 @@ def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None =
 
         train_mod.Trainer.step = slow
     cfg = load_config(None, [*BASE, f"train.output_dir={out_dir}", *overrides])
-    return train_mod.train(cfg, target=make_tiny_target(), samples=tiny_samples(), resume=resume)
+    samples = tiny_samples() if samples is ... else samples
+    return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume)
 
 
 def spawn_rank(rank: int, world: int, port: int, jobs: list[tuple[str, list[str], bool | str | None]]) -> None:

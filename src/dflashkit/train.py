@@ -96,12 +96,15 @@ def _generator(seed: int, *keys: Any, device: str | torch.device = "cpu") -> tor
 # ---- data ----------------------------------------------------------------------------------
 
 
-def load_training_data(data_cfg) -> tuple[Sequence[Any], list[int] | None]:
+def load_training_data(data_cfg, target: Any, dtype: torch.dtype) -> tuple[Sequence[Any], list[int] | None]:
     """(samples, layer ids of cached features or None for online features)."""
     if data_cfg.features:
         from dflashkit.data.features import FeatureCache
 
-        cache = FeatureCache(data_cfg.features)
+        cache = FeatureCache(data_cfg.features, dtype=dtype)
+        problems = cache.target_problems(target)
+        if problems:
+            raise ValueError("; ".join(problems) + " (features of another target would train a useless drafter)")
         return cache, list(cache.layer_ids)
     if data_cfg.tokenized:
         from dflashkit.data.chat import load_tokenized
@@ -180,8 +183,10 @@ class Batcher:
             [sample_anchors(m, self.tcfg.anchors_per_seq, _generator(seed, "anchors", k)) for (k, _), (_, m, _) in zip(items, seqs)],
             multiple=ANCHOR_MULTIPLE)
         if self.online_layers is not None:
+            from dflashkit.data.features import online_features
+
             dev_ids = ids.pin_memory() if self.device.type == "cuda" else ids
-            feats = self.target.forward(dev_ids.to(self.device, non_blocking=True), self.online_layers, logits=False).features
+            feats = online_features(self.target, dev_ids.to(self.device, non_blocking=True), self.online_layers)
         else:
             feats = torch.zeros(b, T, seqs[0][2].shape[-1], dtype=seqs[0][2].dtype)
             for j, (x, _, f) in enumerate(seqs):
@@ -293,6 +298,9 @@ class Trainer:
     @staticmethod
     def _compile(drafter: DFlashDrafter, enabled: bool) -> None:
         if enabled:  # per layer, in place: parameter names stay the reference names
+            # A few graphs are expected (grad / no-grad, first layer's input without grad, dynamic
+            # shapes); past the default limit dynamo would silently run eager FlexAttention.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             for layer in drafter.layers:
                 layer.compile()
 
@@ -375,19 +383,17 @@ class Trainer:
                 "slot_acc": [round(float(c / max(float(k), 1.0)), 4) for c, k in zip(correct[1:], count[1:])],
                 "accept_hist": [int(h) for h in hist[1:]], "blocks": int(n_blocks)}
 
-    # ---- full, process-count-independent state ----
-    def state_dict(self) -> dict[str, Any]:
-        """Collective under FSDP (every rank must call); returns full fp32 tensors on the CPU."""
-        def full(t: Tensor) -> Tensor:
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            return t.detach().to("cpu", copy=True)
+    # ---- full, process-count-independent state (collective under FSDP: every rank must call) ----
+    def full_params(self) -> dict[str, Tensor]:
+        """fp32 weights by reference name, full tensors on the CPU."""
+        return {n: _full(m).float() for n, m in zip(self.names, self.master)}
 
+    def state_dict(self) -> dict[str, Any]:
         opt = {}
         for name, m in zip(self.names, self.master):
             st = self.optimizer.state.get(m, {})
-            opt[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in st.items()}
-        return {"params": {n: full(m).float() for n, m in zip(self.names, self.master)},
-                "optimizer": opt, "scheduler": self.scheduler.state_dict()}
+            opt[name] = {k: _full(v) if torch.is_tensor(v) else v for k, v in st.items()}
+        return {"params": self.full_params(), "optimizer": opt, "scheduler": self.scheduler.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -414,6 +420,11 @@ class Trainer:
         for g, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             g["lr"] = lr
         self._master_to_model()
+
+
+def _full(t: Tensor) -> Tensor:
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().to("cpu", copy=True)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -595,11 +606,11 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         from dflashkit.target import load_target
 
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+    dtype, backend, compile_ = resolve_precision(tc, device)
     if samples is None:
-        samples, feature_layer_ids = load_training_data(cfg.data)
+        samples, feature_layer_ids = load_training_data(cfg.data, target, dtype)
     if len(samples) < 2:
         raise ValueError(f"train: {len(samples)} training sequence(s); need at least 2")
-    dtype, backend, compile_ = resolve_precision(tc, device)
 
     resume_dir = find_resume(out_dir, resume)
     if resume_dir is not None:
@@ -676,17 +687,17 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
                          ev["loss"], ev["slot_acc"])
             if ev["tau_sim"] > best["tau_sim"]:
                 best = {"tau_sim": ev["tau_sim"], "step": done}
-                full = trainer.state_dict()
+                params = trainer.full_params()
                 if d.main:
-                    _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, full["params"], dtype), p))
+                    _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
                     atomic_write_json(out_dir / "best.json", best)
         if done % tc.save_every == 0 or done == total:
             checkpoint(done)
     bar.close()
     if start < total or not (out_dir / "final").exists():
-        full = trainer.state_dict()
+        params = trainer.full_params()
         if d.main:
-            _replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, full["params"], dtype), p))
+            _replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
     metrics.close()
     if d.main and metrics.path.is_file():
         plot_curves(metrics.path, out_dir / "curves.png")
