@@ -180,6 +180,24 @@ def test_dpace_weights_follow_the_paper():
     assert w.tolist()[0] == pytest.approx([0.0, q1 + q1 * q2, q1 * q2, 0.0])
 
 
+def test_dpace_loss_uses_detached_confidence_weights(tiny_target):
+    drafter = make_tiny_drafter(tiny_target)
+    mb = _batch(tiny_target, drafter, anchors=((3, 17, 35),))
+    W = tiny_target.model.get_output_embeddings().weight
+    out = block_loss(drafter, tiny_target.embed, W, mb, LossSettings(loss="dpace", dpace_alpha=0.5))
+    B = drafter.config.block_size
+    logits = tiny_target.lm_head(training_hidden(drafter, tiny_target.embed, mb.input_ids, mb.features, mb.anchors))
+    labels = mb.labels.view(-1, B)
+    valid = labels != IGNORE
+    ce = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.flatten().clamp(min=0),
+                                           reduction="none").view(-1, B)
+    w = dpace_weights(ce, valid, 0.5)
+    assert float(out.loss_sum / out.weight_sum) == pytest.approx(float((w * ce)[valid].sum() / w[valid].sum()), rel=1e-5)
+    assert not out.weight_sum.requires_grad  # weights shape the gradient, they get none
+    out.loss_sum.backward()
+    assert drafter.fc.weight.grad is not None and torch.isfinite(drafter.fc.weight.grad).all()
+
+
 # ---- mistake 2: fc never fed the layer the labels come from ----------------------------------
 
 

@@ -300,7 +300,9 @@ class Trainer:
         if enabled:  # per layer, in place: parameter names stay the reference names
             # A few graphs are expected (grad / no-grad, first layer's input without grad, dynamic
             # shapes); past the default limit dynamo would silently run eager FlexAttention.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            dc = torch._dynamo.config
+            key = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+            setattr(dc, key, max(getattr(dc, key), 64))
             for layer in drafter.layers:
                 layer.compile()
 
