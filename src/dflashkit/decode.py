@@ -66,10 +66,12 @@ class Tree:
 
     def ancestors(self) -> Tensor:
         """bool [m+1, m+1]: node i may attend to node j (j is i or an ancestor of i)."""
-        n = len(self.tokens) + 1
-        anc = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents, start=1):  # parents precede children
-            anc[i] |= anc[p]
+        lines = [[0]]  # node i's ancestors and itself; parents precede children
+        for i, p in enumerate(self.parents, start=1):
+            lines.append(lines[p] + [i])
+        rows = [i for i, line in enumerate(lines) for _ in line]
+        anc = torch.zeros(len(lines), len(lines), dtype=torch.bool)
+        anc[rows, [j for line in lines for j in line]] = True  # one op: tree building stays cheap
         return anc
 
     def children(self) -> list[dict[int, int]]:

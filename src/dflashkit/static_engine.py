@@ -73,13 +73,15 @@ class LayerWeights(NamedTuple):
 
 
 def _weights(layer: Any) -> LayerWeights:
+    """Detached views of the module's parameters (same storage; no autograd state to guard on)."""
     a, m = layer.self_attn, layer.mlp
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    return LayerWeights(layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                        a.v_proj.weight, a.v_proj.bias, None if qn is None else qn.weight,
-                        None if kn is None else kn.weight, a.o_proj.weight, a.o_proj.bias,
-                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.gate_proj.bias,
-                        m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)
+    mods = [layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, qn, kn, a.o_proj, layer.post_attention_layernorm,
+            m.gate_proj, m.up_proj, m.down_proj]
+    w = [None if mod is None else mod.weight.detach() for mod in mods]
+    b = [None if mod is None or getattr(mod, "bias", None) is None else mod.bias.detach() for mod in mods]
+    return LayerWeights(w[0], w[1], b[1], w[2], b[2], w[3], b[3], w[4], w[5], w[6], b[6], w[7], w[8], b[8], w[9], b[9],
+                        w[10], b[10])
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

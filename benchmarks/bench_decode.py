@@ -1,0 +1,224 @@
+"""Speculative decoding speed per round at real shapes, random weights, batch 1.
+
+Target: Qwen3-8B-shaped (36 layers, hidden 4096, intermediate 12288, 32/8 heads, head dim 128,
+vocab 151936, bf16); drafter: 5 layers, taps [1, 9, 17, 25, 33], block 16. With random weights
+nothing is accepted (τ = 1), so every round does the full work of its shape: this measures
+milliseconds per round and per stage (draft, tree build, verify, commit), for plain
+autoregressive steps, DFlash (one chain of 15) and DDTree at several node budgets.
+
+The floor is reading target + drafter weights once over the measured copy bandwidth. Engines:
+`hf` (the target's own Transformers forward, dynamic cache, eager launches), `static` (static
+KV caches, eager), `graphs` (static + CUDA graphs), `compiled` (graphs + torch.compile of the
+per-layer functions). Stage times synchronise the GPU at each stage boundary; "round" is the
+same loop without those extra synchronisations.
+
+    python benchmarks/bench_decode.py --json out.json        # GPU
+    python benchmarks/bench_decode.py --tiny                 # CPU smoke test of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit.decode import HFEngine, generate
+from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+from dflashkit.static_engine import StaticEngine
+from dflashkit.target import Target
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_layers: int) -> tuple[Target, DFlashDrafter]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    target = Target(model.to(device=device, dtype=dtype), None, name="qwen3-random")
+    dcfg = drafter_config_for_target(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers, num_taps=5)
+    return target, DFlashDrafter(dcfg).to(device=device, dtype=dtype)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (median)."""
+    x = torch.randn(int(gib * 2**30) // 4, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    return 2 * x.numel() * 4 / times[len(times) // 2]
+
+
+def weight_bytes(m: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def self_check(device: torch.device) -> str:
+    """Greedy outputs of every engine on this device equal the target's own `generate` (tiny fp32)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import make_tiny_drafter, make_tiny_target
+
+    target = make_tiny_target()
+    target.model.to(device)
+    target = Target(target.model, None)
+    drafter = make_tiny_drafter(target).to(device)
+    ids = torch.randint(3, 120, (1, 20), device=device)
+    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
+    bad = []
+    for name, make in engines(device, compile_ok=False).items():
+        for method, budget in [("ar", None), ("dflash", None), ("ddtree", 12)]:
+            eng = make(target, drafter if method != "ar" else None)
+            if generate(eng, ids, max_new_tokens=24, method=method, budget=budget).tokens != ref:
+                bad.append(f"{name}/{method}")
+    return "ok" if not bad else "MISMATCH " + ", ".join(bad)
+
+
+def engines(device: torch.device, compile_ok: bool) -> dict:
+    """The fast engines first, so that a time limit only cuts the baselines."""
+    out = {}
+    if device.type == "cuda":
+        out["graphs"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True)
+        if compile_ok:
+            out["compiled"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True)
+    out["hf"] = HFEngine
+    out["static"] = lambda t, d: StaticEngine(t, d, cuda_graphs=False)
+    return out
+
+
+def compaction_ms(engine: StaticEngine, nodes: int = 8, reps: int = 20) -> float:
+    """One tree commit that moves `nodes` non-contiguous accepted nodes together (random weights
+    accept nothing, so the measured rounds never pay it)."""
+    path = [0] + [2 * i + 1 for i in range(1, nodes)]
+    n = engine.length - 2 * nodes - 2  # stay inside the written region; the values do not matter
+    keep = torch.tensor(path, device=engine.k.device)
+    sync = torch.cuda.synchronize if engine.k.is_cuda else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        engine.k[:, :, :, n:n + nodes] = engine.k[:, :, :, n + keep]
+        engine.v[:, :, :, n:n + nodes] = engine.v[:, :, :, n + keep]
+    sync()
+    return 1e3 * (time.perf_counter() - t) / reps
+
+
+def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int) -> dict:
+    generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)  # capture graphs / compile
+    prof = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget, profile=True)
+    plain = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)
+    r = prof.rounds
+    stages = {k: 1e3 * v / r for k, v in prof.stage_seconds.items()}
+    return {"round_ms": 1e3 * plain.decode_seconds / plain.rounds, "stages_ms": stages,
+            "staged_round_ms": sum(stages.values()), "rounds": r, "tau": plain.tau}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
+    ap.add_argument("--budgets", default="8,16,32,64")
+    ap.add_argument("--engines", default=None, help="comma list among hf,static,graphs,compiled (default: all that apply)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=48, help="tokens per measured generation (rounds, at τ=1)")
+    ap.add_argument("--hf-new-tokens", type=int, default=12, help="fewer for the slow Transformers engine")
+    ap.add_argument("--time-limit", type=float, default=480, help="seconds; later engines are skipped past it")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = TINY if args.tiny else QWEN3_8B
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "batch": 1, "results": {}}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+
+    import transformers
+    res["transformers"] = transformers.__version__
+    res["self_check"] = self_check(device)
+    print(f"self-check (tiny, greedy == target.generate for every engine): {res['self_check']}", flush=True)
+    target, drafter = make_models(shape, device, dtype, drafter_layers=2 if args.tiny else 5)
+    tb, db = weight_bytes(target.model), weight_bytes(drafter)
+    res.update(target_gb=tb / 1e9, drafter_gb=db / 1e9)
+    if device.type == "cuda":
+        bw = copy_bandwidth(device)
+        res.update(copy_tb_s=bw / 1e12, floor_ms=1e3 * (tb + db) / bw, ar_floor_ms=1e3 * tb / bw)
+        print(f"weights: target {tb / 1e9:.2f} GB + drafter {db / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s; "
+              f"floor {res['floor_ms']:.2f} ms per round ({res['ar_floor_ms']:.2f} ms per AR step)", flush=True)
+    save()
+    torch.manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"] - 2, (1, args.prompt_len), device=device)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    chosen = engines(device, compile_ok=True)
+    if args.engines:
+        chosen = {k: v for k, v in chosen.items() if k in args.engines.split(",")}
+    for name, make in chosen.items():
+        for method, budget in methods:
+            if time.perf_counter() - t_start > args.time_limit:
+                print(f"time limit reached: skipping {name} {method} {budget or ''}", flush=True)
+                continue
+            label = method if budget is None else f"{method}-{budget}"
+            eng = None
+            try:
+                eng = make(target, drafter if method != "ar" else None)
+                n = args.hf_new_tokens if name in ("hf", "static") else args.new_tokens
+                r = measure(eng, ids, method, budget, n)
+            except Exception as e:  # report and go on: one engine failing must not lose the others' numbers
+                r = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print(f"{name:9s} {label:10s} FAILED {r['error']}", flush=True)
+            else:
+                s = r["stages_ms"]
+                floor = res.get("ar_floor_ms" if method == "ar" else "floor_ms")
+                r["x_floor"] = r["round_ms"] / floor if floor else None
+                r["tree_share"] = s.get("tree", 0.0) / r["staged_round_ms"]
+                print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
+                      + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
+            if isinstance(eng, StaticEngine) and budget == budgets[-1] and "error" not in r:
+                r["compaction_ms_8_nodes"] = compaction_ms(eng)
+                print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
+            res["results"].setdefault(name, {})[label] = r
+            save()
+            del eng
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\n{'engine':9s} {'method':10s} {'round ms':>9s} {'x floor':>8s} {'draft':>7s} {'tree':>7s} {'verify':>7s} {'commit':>7s} {'tree %':>7s}")
+    for name, rows in res["results"].items():
+        for label, r in rows.items():
+            if "error" in r:
+                continue
+            s = r["stages_ms"]
+            xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else "-"
+            print(f"{name:9s} {label:10s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
+                  f"{s.get('verify', 0):7.2f} {s.get('commit', 0):7.2f} {100 * r['tree_share']:6.1f}%")
+    res["wall_s"] = time.perf_counter() - t_start
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
