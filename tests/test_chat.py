@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dflashkit.data.chat import (ChatTemplateError, load_tokenized, prompt_ids, tokenize_conversation,
+from dflashkit.data.chat import (ChatTemplateError, encode, load_tokenized, prompt_ids, tokenize_conversation,
                                  tokenize_file)
 
 # Written for this test (not Qwen's file, which is not available offline): it renders assistant turns
@@ -121,6 +121,20 @@ def test_supervise_end_off(tok):
     assert supervised_text(tok, s) == ["yes, 2+2=4."]
 
 
+def test_target_answer_ids_used_verbatim(tok):
+    """The target's generated ids (here spelled one character at a time: valid, but not what
+    re-encoding the text gives) are kept as they are; ids that spell another text are not."""
+    spelled = [t for ch in CHAT[1]["content"] for t in encode(tok, ch)]
+    canonical = tokenize_conversation(tok, CHAT, max_length=512)
+    s = tokenize_conversation(tok, CHAT, max_length=512, answer_ids=spelled)
+    p = prompt_ids(tok, CHAT[:1])
+    assert s.input_ids[:len(p)] == p and s.input_ids[len(p):len(p) + len(spelled)] == spelled
+    assert s.input_ids != canonical.input_ids and supervised_text(tok, s) == supervised_text(tok, canonical)
+    assert sum(s.loss_mask) == len(spelled) + 1  # + the end-of-turn token
+    other = encode(tok, "no.")
+    assert tokenize_conversation(tok, CHAT, max_length=512, answer_ids=other) == canonical
+
+
 def test_template_that_rewrites_answers(tok):
     t = copy.deepcopy(tok)
     t.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content | upper }}\n{% endfor %}"
@@ -134,14 +148,17 @@ def test_tokenize_file(tok, tmp_path):
              json.dumps({"id": "b", "messages": CHAT[:1] + [{"role": "assistant", "content": "no"}], "finish_reason": "length"}),
              '{"id": "c", "messages": [',  # malformed, line 3
              json.dumps({"id": "d", "messages": CHAT[:1]}),  # no answer: dropped
-             json.dumps({"id": "e", "messages": MULTI})]
+             json.dumps({"id": "e", "messages": MULTI}),
+             json.dumps({"id": "f", "messages": CHAT, "finish_reason": "stop",
+                         "completion_ids": [t for ch in "yes, 2+2=4." for t in encode(tok, ch)] + [2]})]
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "tok.jsonl"
     stats = tokenize_file(src, tok, out, max_length=512)
-    assert stats.written == 2 and stats.dropped_unsupervised == 2 and stats.conversations == 4
+    assert stats.written == 3 and stats.dropped_unsupervised == 2 and stats.conversations == 5 and stats.target_ids == 1
     assert len(stats.problems) == 1 and stats.problems[0].startswith(f"{src}:3:")
     samples = load_tokenized(out)
-    assert [s.id for s in samples] == ["a", "e"]
+    assert [s.id for s in samples] == ["a", "e", "f"]
+    assert samples[2].input_ids != samples[0].input_ids and len(samples[2].input_ids) > len(samples[0].input_ids)
     assert samples[0] == tokenize_conversation(tok, CHAT, max_length=512, id="a")
     assert stats.tokens == sum(len(s.input_ids) for s in samples)
     assert not list(tmp_path.glob(".*tmp"))

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from datahelpers import live_server, one_thread, run_cli, save_tiny_target, start_cli, wait_until  # noqa: F401
+from dflashkit.data.chat import load_tokenized, prompt_ids, tokenize_file
 from dflashkit.data.prompts import Conversation, load_prompts
 from dflashkit.data.regenerate import (GenerationParams, RequestFailed, post_with_retries, regenerate_http,
                                        regenerate_local)
@@ -73,6 +74,15 @@ def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path):
 
     with pytest.raises(ValueError, match=f"{out}:1: written with generation params"):
         regenerate_local(load_target(tiny_dir), convs, out, GenerationParams(max_new_tokens=8))
+
+    # tokenize keeps the target's own ids: prompt ids + generated ids, exactly.
+    tok = load_target(tiny_dir).tokenizer
+    stats = tokenize_file(out, tok, tmp_path / "tok.jsonl", max_length=4096)
+    assert stats.written == stats.target_ids == 40
+    for s in load_tokenized(tmp_path / "tok.jsonl"):
+        r = want[s.id]
+        seq = prompt_ids(tok, r["messages"][:-1]) + r["completion_ids"]
+        assert s.input_ids[:len(seq)] == seq
 
 
 @pytest.fixture(scope="module")

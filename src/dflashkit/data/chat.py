@@ -39,6 +39,7 @@ class TokenizeStats:
     conversations: int = 0
     written: int = 0
     truncated: int = 0  # written, but cut to max_length
+    target_ids: int = 0  # answers whose ids are the target's own generated ids (not re-encoded text)
     dropped_unsupervised: int = 0  # fewer than two consecutive supervised tokens (after truncation)
     tokens: int = 0
     supervised_tokens: int = 0
@@ -117,30 +118,47 @@ def assistant_spans(tokenizer: Any, messages: list[dict], *, thinking: bool = Fa
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], *, max_length: int, thinking: bool = False,
-                          supervise_end: bool = True, id: str = "") -> TokenizedSample | None:
+                          supervise_end: bool = True, answer_ids: list[int] | None = None,
+                          id: str = "") -> TokenizedSample | None:
     """Token ids + assistant-only loss mask, cut to `max_length`; None when fewer than two
     consecutive tokens stay supervised (no anchor could be drawn from it).
 
     `supervise_end`: also supervise the token that follows each answer (the end-of-turn token);
-    pass False when the answer was cut by a length limit, as the target never emitted it."""
+    pass False when the answer was cut by a length limit, as the target never emitted it.
+    `answer_ids`: the token ids the target generated for the last answer (stop token excluded);
+    used instead of re-encoding its text, which gives other ids for a few percent of answers
+    (the target need not emit canonical BPE merges)."""
+    return _tokenize(tokenizer, messages, max_length=max_length, thinking=thinking, supervise_end=supervise_end,
+                     answer_ids=answer_ids, id=id)[0]
+
+
+def _tokenize(tokenizer: Any, messages: list[dict], *, max_length: int, thinking: bool, supervise_end: bool,
+              answer_ids: list[int] | None, id: str) -> tuple[TokenizedSample | None, bool, bool]:
+    """(sample, truncated, the target's own answer ids were used)."""
     text, spans = assistant_spans(tokenizer, messages, thinking=thinking)
     bounds = [0, *[x for s in spans for x in s], len(text)]
     ids: list[int] = []
     mask: list[int] = []
+    exact = False
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        toks = encode(tokenizer, text[lo:hi])
         if k % 2:  # an answer
+            last = hi == spans[-1][1]
+            # The generated ids, when they spell exactly the answer's text as the template wrote it.
+            exact = last and answer_ids is not None and tokenizer.decode(answer_ids, skip_special_tokens=True) == text[lo:hi]
+            toks = list(answer_ids) if exact else encode(tokenizer, text[lo:hi])
             m = [1] * len(toks)
         else:
+            toks = encode(tokenizer, text[lo:hi])
             m = [0] * len(toks)
             if k and supervise_end and toks:
                 m[0] = 1
         ids += toks
         mask += m
+    truncated = len(ids) > max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if not any(a and b for a, b in zip(mask, mask[1:])):
-        return None
-    return TokenizedSample(id=id, input_ids=ids, loss_mask=mask)
+        return None, truncated, exact
+    return TokenizedSample(id=id, input_ids=ids, loss_mask=mask), truncated, exact
 
 
 def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str | Path, *, max_length: int,
@@ -152,7 +170,7 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     from dflashkit.data.prompts import load_prompts_report
 
     convs, problems = load_prompts_report(str(regenerated_jsonl), limit=limit)
-    finish = _finish_reasons(Path(regenerated_jsonl))
+    generation = _generation_info(Path(regenerated_jsonl))
     stats = TokenizeStats(conversations=len(convs), problems=problems)
     out = Path(out_jsonl)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -163,13 +181,15 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
                 if conv.messages[-1]["role"] != "assistant":
                     stats.dropped_unsupervised += 1
                     continue
-                sample = tokenize_conversation(tokenizer, conv.messages, max_length=max_length, thinking=thinking,
-                                               supervise_end=finish.get(conv.id) != "length", id=conv.id)
+                finish, answer_ids = generation.get(conv.id, (None, None))
+                sample, truncated, exact = _tokenize(tokenizer, conv.messages, max_length=max_length, thinking=thinking,
+                                                     supervise_end=finish != "length", answer_ids=answer_ids, id=conv.id)
                 if sample is None:
                     stats.dropped_unsupervised += 1
                     continue
                 stats.written += 1
-                stats.truncated += len(sample.input_ids) == max_length
+                stats.truncated += truncated
+                stats.target_ids += exact
                 stats.tokens += len(sample.input_ids)
                 stats.supervised_tokens += sum(sample.loss_mask)
                 f.write(json.dumps(asdict(sample), separators=(",", ":")) + "\n")
@@ -180,18 +200,23 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     return stats
 
 
-def _finish_reasons(path: Path) -> dict[str, str]:
-    """id -> finish_reason of a regenerated JSONL (absent for other conversation files)."""
-    reasons = {}
+def _generation_info(path: Path) -> dict[str, tuple[str | None, list[int] | None]]:
+    """id -> (finish_reason, the answer's generated ids without the stop token) from a regenerated
+    JSONL; empty for other conversation files."""
+    info = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # reported by the prompt loader
-            if isinstance(rec, dict) and isinstance(rec.get("finish_reason"), str):
-                reasons[str(rec.get("id"))] = rec["finish_reason"]
-    return reasons
+            if not isinstance(rec, dict) or "finish_reason" not in rec:
+                continue
+            ids = rec.get("completion_ids")
+            if isinstance(ids, list) and rec["finish_reason"] == "stop":
+                ids = ids[:-1]
+            info[str(rec.get("id"))] = (rec["finish_reason"], ids if isinstance(ids, list) else None)
+    return info
 
 
 def load_tokenized(path: str | Path) -> list[TokenizedSample]:
@@ -235,7 +260,8 @@ def run(args) -> int:
         raise ValueError("tokenize needs an input (--input or data.regenerated=PATH) and an output (--out or data.tokenized=PATH)")
     tok = load_tokenizer(cfg.target.path, cfg.target.gguf_file)
     stats = tokenize_file(src, tok, out, max_length=cfg.data.max_length, thinking=cfg.data.thinking, limit=cfg.data.limit)
-    print(f"{out}: {stats.written} samples, {stats.tokens} tokens ({stats.supervised_tokens} supervised); "
+    print(f"{out}: {stats.written} samples, {stats.tokens} tokens ({stats.supervised_tokens} supervised), "
+          f"{stats.target_ids} answers as the target's own token ids; "
           f"{stats.truncated} truncated to {cfg.data.max_length}, {stats.dropped_unsupervised} dropped "
           f"(fewer than two consecutive supervised tokens), {len(stats.problems)} malformed lines skipped")
     return 0

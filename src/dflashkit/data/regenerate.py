@@ -6,7 +6,8 @@ Every conversation is cut after its last user turn and answered by the target, e
 
 Output: append-only JSONL, one line per answered prompt:
 `{"id", "messages": context + [assistant answer], "source", "finish_reason", "prompt_tokens",
-"completion_tokens", "params"}`. A re-run skips the ids already there; a line cut by a kill is
+"completion_tokens", "params"}`, plus `completion_ids` (the generated token ids, stop token
+included) from the local back-end, which `tokenize` uses instead of re-encoding the answer. A re-run skips the ids already there; a line cut by a kill is
 dropped and redone. Local batches are planned over the whole prompt list and re-run whole, so a
 greedy run that was interrupted writes exactly what an uninterrupted one writes.
 """
@@ -115,10 +116,12 @@ def open_output(path: str | Path, params: GenerationParams) -> Iterator[tuple[Te
 
 
 def _write(out: TextIO, conv: Conversation, context: list[dict], answer: str, finish: str, prompt_tokens: int,
-           completion_tokens: int, params: GenerationParams) -> None:
+           completion_tokens: int, params: GenerationParams, completion_ids: list[int] | None = None) -> None:
     rec = {"id": conv.id, "messages": context + [{"role": "assistant", "content": answer}], "source": conv.source,
            "finish_reason": finish, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "params": asdict(params)}
+    if completion_ids is not None:
+        rec["completion_ids"] = completion_ids
     out.write(json.dumps(rec, ensure_ascii=False) + "\n")  # one write per line: a kill cuts at most this line
     out.flush()
 
@@ -167,7 +170,8 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
                 cut = next((k for k, t in enumerate(row) if t in stops), None)
                 answer = tok.decode(row[:cut], skip_special_tokens=True)
                 n = len(row) if cut is None else cut + 1
-                _write(out, conversations[i], contexts[i], answer, "length" if cut is None else "stop", len(ids[i]), n, params)
+                _write(out, conversations[i], contexts[i], answer, "length" if cut is None else "stop", len(ids[i]), n,
+                       params, row[:n])
                 stats.written += 1
                 stats.completion_tokens += n
                 bar.update(1)
