@@ -119,7 +119,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -
     b, h, t, d = q.shape
     kv = k.shape[1]
     o = F.scaled_dot_product_attention(q.reshape(b, kv, (h // kv) * t, d), k, v, attn_mask=mask, scale=scale)
-    return o.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+    return o.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
 class _Graphs:
