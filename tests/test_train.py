@@ -156,3 +156,16 @@ def test_real_pipeline_on_smollm2_cli(tmp_path):
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == drafter.config.target_layer_ids == default_target_layer_ids(30, 5)
     assert (out / "best" / "model.safetensors").is_file() and (out / "curves.png").stat().st_size > 10_000
+
+
+def test_time_budget_fits_the_schedule_to_the_steps_that_fit(tmp_path):
+    """With train.time_budget_s the run stops near the budget and the cosine ends at that step."""
+    from train_job import run_job
+
+    out = run_job(str(tmp_path / "b"), ["train.max_steps=null", "train.time_budget_s=6", "train.eval_every=1000",
+                                         "train.save_every=1000"], sleep=0.05)
+    steps = losses(out)
+    last = max(steps)
+    assert 11 < last < 400  # fitted after the 10 probe steps, far below the 10**9 placeholder
+    lrs = losses(out, key="lr")
+    assert lrs[last] < 0.05 * max(lrs.values())  # the cosine reached (almost) zero at the fitted end

@@ -72,6 +72,9 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(1, ge=1, description="sequences per forward pass and process")
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1, description="overrides epochs")
+    time_budget_s: float | None = Field(None, gt=0, description="wall-clock budget from the start of `train`; "
+                                        "overrides epochs (max_steps still caps): the schedule is fitted to the "
+                                        "steps that fit, timed over the first steps")
     anchors_per_seq: int = Field(512, ge=1)
     loss: Literal["ce", "kl", "dpace"] = "ce"
     gamma: float | None = Field(None, gt=0, description="slot decay; None = 7 (B=16), 5 (B=10), 4 (B=8)")

@@ -292,8 +292,16 @@ class Trainer:
             self.master = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
                                            fused=cuda and self.parallel != "fsdp")
-        warmup = max(1, round(tcfg.warmup_ratio * total_steps)) if tcfg.warmup_ratio > 0 else 0
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, total_steps, warmup))
+        self.warmup_ratio = tcfg.warmup_ratio
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule(total_steps))
+
+    def _schedule(self, total: int) -> Callable[[int], float]:
+        warmup = max(1, round(self.warmup_ratio * total)) if self.warmup_ratio > 0 else 0
+        return lambda s: lr_factor(s, total, warmup)
+
+    def set_total_steps(self, total: int) -> None:
+        """Refit the schedule (time-budgeted runs): valid while still inside the warm-up."""
+        self.scheduler.lr_lambdas = [self._schedule(total)]
 
     @staticmethod
     def _compile(drafter: DFlashDrafter, enabled: bool) -> None:
@@ -590,6 +598,22 @@ def resolve_precision(tcfg, device: torch.device) -> tuple[torch.dtype, str, boo
     return dtype, backend, tcfg.compile if tcfg.compile is not None else cuda
 
 
+BUDGET_PROBE_STEPS = 10
+
+
+def fit_total_steps(done: int, cap: int, step_s: float, left_s: float, tc, d: Dist) -> int:
+    """Steps that fit in `left_s`, keeping ~10 % for evaluations and the final save; every rank
+    takes rank 0's answer so that all run the same schedule."""
+    n = done + int(0.9 * max(0.0, left_s) / max(step_s, 1e-6))
+    if tc.max_steps:
+        n = min(n, tc.max_steps)
+    if d.world > 1:
+        t = torch.tensor([n], device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(t, 0)
+        n = int(t)
+    return max(done, min(n, cap))
+
+
 def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
           feature_layer_ids: list[int] | None = None, resume: bool | str | None = None) -> Path:
     """Train a drafter as `cfg` says; returns the output directory (holding `final/`, `best/`,
@@ -597,6 +621,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
     from dflashkit.commands import resolve_device
 
     tc = cfg.train
+    t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
     d = init_distributed(want.type == "cuda")
     device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
@@ -629,6 +654,8 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
 
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed)
     total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
+    if tc.time_budget_s and not tc.max_steps:
+        total = 10**9  # fitted to the budget after the first steps
     head = target.model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"target {target.name}: an LM head with a bias is not supported")
@@ -639,6 +666,9 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         state = load_training_state(resume_dir)
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"{resume_dir}/training_state.pt: version {state.get('version')}, expected {STATE_VERSION}")
+        if tc.time_budget_s:  # the fitted length of the interrupted run
+            total = state["total_steps"]
+            trainer.set_total_steps(total)
         for key, now in (("batch_size", tc.batch_size), ("num_train", len(train_idx)), ("total_steps", total)):
             if state[key] != now:
                 raise ValueError(f"--resume: the checkpoint was trained with {key}={state[key]}, this run has {now}; "
@@ -666,10 +696,22 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
 
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not d.main, dynamic_ncols=True)
     t_last, tokens = time.perf_counter(), 0.0
-    for step in range(start, total):
+    fit_at = start + 1 + BUDGET_PROBE_STEPS if tc.time_budget_s and start == 0 else None
+    step = start
+    while step < total:
         groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, train_idx, tc.seed)
         stats = trainer.step((batcher.build(g) for g in groups), len(groups))
-        done = step + 1
+        step = done = step + 1
+        if done == start + 1:
+            t_first = time.perf_counter()  # after the first step, which pays for compilation
+        if done == fit_at:
+            total = fit_total_steps(done, total, (time.perf_counter() - t_first) / BUDGET_PROBE_STEPS,
+                                    tc.time_budget_s - (time.perf_counter() - t_begin), tc, d)
+            trainer.set_total_steps(total)
+            bar.total = total
+            bar.refresh()
+            if d.main:
+                log.info("time budget %.0fs: %d steps fit", tc.time_budget_s, total)
         tokens += stats.pop("block_tokens")
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tau=f"{max(best['tau_sim'], 0):.2f}")
