@@ -388,11 +388,12 @@ def generate(
 
 
 def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
-    """[1, T] prompt ids: through the chat template (generation prompt added) when it has one."""
+    """[1, T] prompt ids: through the chat template (as `regenerate` prompts the target) when the
+    tokenizer has one, else the raw text."""
+    from dflashkit.data.chat import prompt_ids
+
     if chat and getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
-        return enc["input_ids"]
+        return torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": prompt}])])
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 

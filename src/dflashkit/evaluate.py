@@ -1,0 +1,479 @@
+"""`dflashkit eval`: acceptance length and speed of drafters, online or offline (SPEC §2, §3).
+
+Online (default): the target verifies for real. For each prompt, plain autoregressive decoding
+(same engine, same caches) and then every drafter with DFlash and DDTree at each node budget;
+greedy outputs must be token-identical to the autoregressive ones (checked and reported).
+
+Offline (`--features DIR`): no target layers at all (SPEC §3, mistake 8: only the embedding and
+LM head are read from disk). For every answer position p of a cached sample the drafter sees the
+cached features of positions < p and the bonus token p, and we count the leading draft tokens
+(DDTree: the deepest tree path) that equal the data's tokens. Decoding rounds are then replayed
+over the answer: a round at p commits τ(p) tokens and the next one starts at p + τ(p). When the
+data is the target's own greedy output (`regenerate` with temperature 0), these rounds are
+exactly the rounds of online greedy decoding, so offline τ equals online τ.
+
+τ of a round = accepted draft tokens + 1; the final round of an answer counts only the tokens up
+to its end (stop token or length limit), online and offline alike. Reports: τ mean, histogram,
+per-slot acceptance P(τ > k), rounds, tokens/s and speed-up; JSON + Markdown + PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from dflashkit.decode import Sampling, build_tree, generate, make_engine, walk
+from dflashkit.drafter import DFlashDrafter, training_hidden
+from dflashkit.target import Target
+
+log = logging.getLogger(__name__)
+
+
+# ---- summaries ------------------------------------------------------------------------------------
+
+
+def summarize(taus: Sequence[int], block_size: int) -> dict[str, Any]:
+    """τ mean, histogram over 1..B and per-slot acceptance P(τ > k) for k = 1..B-1."""
+    n = len(taus)
+    hist = [sum(1 for t in taus if t == k) for k in range(1, block_size + 1)]
+    return {"tau": sum(taus) / n if n else 0.0, "rounds": n, "hist": hist,
+            "slot_acceptance": [sum(1 for t in taus if t > k) / n if n else 0.0 for k in range(1, block_size)]}
+
+
+def method_labels(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
+    """[(label, method, budget)]: 'dflash' and 'ddtree-<budget>' for every budget."""
+    out = []
+    for m in methods:
+        if m == "dflash":
+            out.append(("dflash", "dflash", None))
+        elif m == "ddtree":
+            out += [(f"ddtree-{b}", "ddtree", b) for b in budgets]
+        else:
+            raise ValueError(f"--methods: expected 'dflash' and/or 'ddtree', got {m!r}")
+    return out
+
+
+# ---- offline: from cached features -----------------------------------------------------------------
+
+
+class FeatureItem(Protocol):
+    """What offline evaluation reads per sample (`data.features.FeatureSample` is one)."""
+
+    id: str
+    input_ids: Tensor  # [T]
+    loss_mask: Tensor  # [T]
+    features: Tensor  # [T, n_taps * H], taps in the drafter's target_layer_ids order
+
+
+def answer_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of supervised tokens: one generated answer each."""
+    m = loss_mask.bool().tolist()
+    spans, start = [], None
+    for i, v in enumerate(m + [False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+@torch.no_grad()
+def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, labels: list[tuple[str, str, int | None]],
+                     top_k: int, chunk: int = 32) -> tuple[dict[str, dict[int, int]], list[tuple[int, int]]]:
+    """Accepted draft tokens at every answer position p (bonus = token p, context < p), per method.
+    Returns ({label: {p: accepted}}, spans). Positions past the answer's end never match."""
+    cfg = drafter.config
+    B, dev = cfg.block_size, head.device
+    ids = item.input_ids.long().to(dev)
+    spans = [(a, e) for a, e in answer_spans(item.loss_mask) if e - a >= 2]
+    anchors = [p for a, e in spans for p in range(a, e - 1)]
+    out: dict[str, dict[int, int]] = {label: {} for label, _, _ in labels}
+    if not anchors:
+        return out, spans
+    end_of = {p: e for a, e in spans for p in range(a, e - 1)}
+    feats = item.features.to(device=dev, dtype=head.dtype)[None]
+    k = max(top_k if m == "ddtree" else 1 for _, m, _ in labels)
+    for i in range(0, len(anchors), chunk):
+        part = anchors[i:i + chunk]
+        h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
+        logits = head.lm_head(h).view(len(part), B, -1)[:, 1:].float()
+        lp, tok = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        lp, tok = lp.cpu(), tok.cpu()
+        for j, p in enumerate(part):
+            # truth[d] = the data's token at depth d of the tree (root = the bonus p, depth 0)
+            truth = [int(t) if p + d + 1 < end_of[p] else -1 for d, t in enumerate(ids[p + 1:p + B].tolist())]
+            truth += [-1] * (B - len(truth))
+            for label, method, budget in labels:
+                if method == "dflash":
+                    tree = build_tree(lp[j, :, :1], tok[j, :, :1], B - 1)
+                else:
+                    tree = build_tree(lp[j, :, :top_k], tok[j, :, :top_k], budget)
+                path, _ = walk(tree, [truth[0]] + [truth[d] for d in tree.depths])
+                out[label][p] = len(path) - 1
+    return out, spans
+
+
+def replay_rounds(accepted: dict[int, int], spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(τ of the decoding rounds, τ at every answer position). A round at p commits τ(p) tokens,
+    clipped at the answer's end; the first round starts at the answer's first token (the bonus
+    that the prefill produced)."""
+    rounds, positions = [], []
+    for a, e in spans:
+        for p in range(a, e - 1):
+            positions.append(min(accepted[p] + 1, e - 1 - p))
+        p = a
+        while p < e - 1:
+            tau = min(accepted[p] + 1, e - 1 - p)
+            rounds.append(tau)
+            p += tau
+    return rounds, positions
+
+
+def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: Iterable[FeatureItem], *,
+                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
+                     top_k: int = 4, limit: int | None = None) -> dict[str, Any]:
+    labels = method_labels(methods, budgets)
+    taus = {n: {lab: ([], []) for lab, _, _ in labels} for n in drafters}
+    samples, tokens = 0, 0
+    for item in tqdm(items, desc="offline eval", unit="sample", total=limit, disable=None):
+        if limit is not None and samples >= limit:
+            break
+        samples += 1
+        for name, drafter in drafters.items():
+            acc, spans = offline_accepted(drafter, head, item, labels, top_k)
+            for lab, _, _ in labels:
+                r, p = replay_rounds(acc[lab], spans)
+                taus[name][lab][0].extend(r)
+                taus[name][lab][1].extend(p)
+        tokens += sum(e - a for a, e in answer_spans(item.loss_mask))
+    report: dict[str, Any] = {"mode": "offline", "samples": samples, "answer_tokens": tokens, "drafters": {}}
+    for name, drafter in drafters.items():
+        B = drafter.config.block_size
+        report["drafters"][name] = {"block_size": B, "methods": {
+            lab: {**summarize(r, B), "tau_per_position": sum(p) / len(p) if p else 0.0} for lab, (r, p) in taus[name].items()}}
+    return report
+
+
+def _weight_file(src: str, tensor: str) -> Path:
+    """The safetensors file holding `tensor`: a local directory, or (online) a hub repository."""
+    local = Path(src).expanduser()
+
+    def get(name: str) -> Path | None:
+        if local.is_dir():
+            return local / name if (local / name).is_file() else None
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(hf_hub_download(src, name))
+        except Exception:  # absent file, or no network: reported below with what was looked for
+            return None
+
+    index = get("model.safetensors.index.json")
+    name = json.loads(index.read_text())["weight_map"].get(tensor) if index else "model.safetensors"
+    path = get(name) if name else None
+    if path is None:
+        raise FileNotFoundError(f"target {src}: no safetensors file holds {tensor} (offline evaluation reads the "
+                                "embedding and LM head from the target's safetensors)")
+    return path
+
+
+def load_target_head(name_or_path: str | None = None, *, gguf_file: str | None = None, dtype: str = "auto",
+                     device: str = "cpu") -> Target:
+    """The target with only its embedding, LM head and final norm read from disk; every decoder
+    layer stays on the meta device and cannot run (offline evaluation, SPEC §3 mistake 8)."""
+    from safetensors import safe_open
+
+    from dflashkit.target import load_target
+
+    t = load_target(name_or_path, gguf_file=gguf_file, dtype=dtype, weights=False)
+    if gguf_file or t.name.endswith(".gguf"):
+        raise ValueError(f"target {t.name}: offline evaluation reads the embedding and LM head from safetensors, "
+                         "which a GGUF file has not: convert it to a Transformers directory first (the default testbed is)")
+    emb, head = t.model.get_input_embeddings(), t.model.get_output_embeddings()
+    names: dict[int, str] = {}
+    for n, p in t.model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # a tied LM head keeps the embedding's name
+    tied = head.weight is emb.weight
+    for module, part in [(emb, "embedding"), (t.final_norm, "final norm")] + ([] if tied else [(head, "LM head")]):
+        name = names[id(module.weight)]
+        path = _weight_file(t.name, name)
+        with safe_open(str(path), "pt") as f:
+            if name not in f.keys():
+                raise ValueError(f"{path}: tensor {name} (the target's {part}) not found")
+            module.weight = torch.nn.Parameter(f.get_tensor(name).to(device=device, dtype=t.dtype), requires_grad=False)
+    if tied:
+        head.weight = emb.weight
+    return t
+
+
+# ---- online: the target verifies -------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    id: str
+    ids: Tensor  # [1, T]
+
+
+@torch.no_grad()
+def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
+                    methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
+                    top_k: int = 4, max_new_tokens: int = 128, sampling: Sampling | None = None,
+                    stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto") -> dict[str, Any]:
+    """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind."""
+    sampling = sampling or Sampling()
+    greedy = sampling.temperature == 0
+    labels = method_labels(methods, budgets)
+    base_engine = make_engine(target, None, engine)
+    engines = {n: make_engine(target, d, engine) for n, d in drafters.items()}
+    base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
+    runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": []}
+                for lab, _, _ in labels} for n in drafters}
+    per_prompt = []
+    for i, pr in enumerate(tqdm(prompts, desc="online eval", unit="prompt", disable=None)):
+        samp = Sampling(sampling.temperature, sampling.top_p, None if sampling.seed is None else sampling.seed + i)
+        kw = dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=samp, stop_ids=stop_ids)
+        ar = generate(base_engine, pr.ids, method="ar", **kw)
+        base["tokens"] += len(ar.tokens)
+        base["seconds"] += ar.prefill_seconds + ar.decode_seconds
+        base["decode_seconds"] += ar.decode_seconds
+        row = {"id": pr.id, "prompt_tokens": pr.ids.shape[1], "ar_tokens": len(ar.tokens), "tau": {}}
+        for name, eng in engines.items():
+            for lab, method, budget in labels:
+                g = generate(eng, pr.ids, method=method, budget=budget, **kw)
+                r = runs[name][lab]
+                r["taus"] += g.accept_lengths
+                r["tokens"] += len(g.tokens)
+                r["seconds"] += g.prefill_seconds + g.decode_seconds
+                r["decode_seconds"] += g.decode_seconds
+                if greedy and g.tokens != ar.tokens:
+                    r["mismatches"].append(pr.id)
+                row["tau"][f"{name}/{lab}"] = round(g.tau, 3)
+        per_prompt.append(row)
+    report: dict[str, Any] = {
+        "mode": "online", "prompts": len(prompts), "greedy": greedy,
+        "baseline": {**base, "tokens_per_s": base["tokens"] / max(base["seconds"], 1e-9)},
+        "drafters": {}, "per_prompt": per_prompt}
+    for name, drafter in drafters.items():
+        B = drafter.config.block_size
+        out = {}
+        for lab, r in runs[name].items():
+            out[lab] = {**summarize(r["taus"], B), "tokens": r["tokens"], "seconds": r["seconds"],
+                        "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9),
+                        "speedup": (r["tokens"] / max(r["seconds"], 1e-9)) / report["baseline"]["tokens_per_s"],
+                        "decode_speedup": (r["tokens"] / max(r["decode_seconds"], 1e-9)) / (base["tokens"] / max(base["decode_seconds"], 1e-9)),
+                        "identical": (not r["mismatches"]) if greedy else None, "mismatches": r["mismatches"]}
+        report["drafters"][name] = {"block_size": B, "methods": out}
+    return report
+
+
+# ---- reports ---------------------------------------------------------------------------------------
+
+
+def markdown(report: dict[str, Any]) -> str:
+    online = report["mode"] == "online"
+    lines = [f"# dflashkit eval ({report['mode']})", ""]
+    for k in ("date", "target", "device", "settings"):
+        if k in report:
+            lines.append(f"- {k}: `{json.dumps(report[k]) if isinstance(report[k], dict) else report[k]}`")
+    if online:
+        b = report["baseline"]
+        lines += [f"- prompts: {report['prompts']}; autoregressive baseline: {b['tokens']} tokens, {b['tokens_per_s']:.2f} tokens/s", "",
+                  "| drafter | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    else:
+        lines += [f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}", "",
+                  "| drafter | method | τ (rounds) | rounds | τ (every position) |", "| --- | --- | ---: | ---: | ---: |"]
+    for name, d in report["drafters"].items():
+        for lab, m in d["methods"].items():
+            if online:
+                same = "n/a (sampled)" if m["identical"] is None else ("yes" if m["identical"] else f"NO: {', '.join(m['mismatches'])}")
+                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
+                             f"{m['speedup']:.2f}x | {m['decode_speedup']:.2f}x | {same} |")
+            else:
+                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
+    lines += ["", "τ = accepted draft tokens + 1 per round (the final round of an answer counts tokens up to its end). "
+              "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(f"{n}/{lab}", m) for n, d in report["drafters"].items() for lab, m in d["methods"].items()]
+    files = []
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(1, len(series))
+    for i, (label, m) in enumerate(series):
+        n = max(1, m["rounds"])
+        ax.bar([k + 1 + (i - len(series) / 2) * width for k in range(len(m["hist"]))], [h / n for h in m["hist"]],
+               width=width, label=f"{label} (τ {m['tau']:.2f})")
+    ax.set(xlabel="τ (tokens per round)", ylabel="share of rounds", title=f"acceptance length ({report['mode']})")
+    ax.legend(fontsize=7)
+    files.append(out_dir / "tau_hist.png")
+    fig.tight_layout()
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for label, m in series:
+        ax.plot(range(1, len(m["slot_acceptance"]) + 1), m["slot_acceptance"], marker="o", ms=3, label=label)
+    ax.set(xlabel="slot / tree depth k", ylabel="P(τ > k)", ylim=(0, 1.02), title="per-slot acceptance")
+    ax.legend(fontsize=7)
+    files.append(out_dir / "slot_acceptance.png")
+    fig.tight_layout()
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """report.json, report.md, tau_hist.png, slot_acceptance.png (each written atomically)."""
+    from dflashkit.checkpoint import atomic_write_bytes, atomic_write_json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", report)
+    atomic_write_bytes(out / "report.md", markdown(report).encode())
+    tmp = out / ".plots"
+    tmp.mkdir(exist_ok=True)
+    files = [out / "report.json", out / "report.md"]
+    for f in plots(report, tmp):
+        f.replace(out / f.name)
+        files.append(out / f.name)
+    tmp.rmdir()
+    return files
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+ONLINE_ONLY = ("prompts", "max_new_tokens", "temperature", "top_p", "seed", "engine")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dflashkit.commands import add_config_options
+
+    p.add_argument("--drafter", action="append", default=[], metavar="[NAME=]DIR",
+                   help="reference-format drafter directory (ours or published); repeat to compare several")
+    p.add_argument("--features", metavar="DIR", help="offline mode: a feature cache (`dflashkit extract`); no target layers run")
+    p.add_argument("--out", metavar="DIR", default="runs/eval", help="report directory (default runs/eval)")
+    p.add_argument("--methods", default="dflash,ddtree", help="comma list of dflash, ddtree (default both)")
+    p.add_argument("--budgets", default=None, help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
+    p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k)")
+    p.add_argument("--limit", type=int, default=None, help="prompts (online) or samples (offline) to evaluate")
+    g = p.add_argument_group("online mode only")
+    g.add_argument("--prompts", default=None, help="humaneval, builtin, a JSONL/JSON/Parquet file or a datasets name (default eval.prompts)")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (outputs checked against autoregressive)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
+    add_config_options(p)
+
+
+def parse_drafters(specs: list[str]) -> dict[str, Path]:
+    """'[NAME=]DIR' -> {name: dir}, each checked to hold a readable drafter config."""
+    from dflashkit.checkpoint import load_config
+
+    if not specs:
+        raise ValueError("eval needs at least one --drafter DIR (a reference-format drafter directory: config.json + model.safetensors)")
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"--drafter {spec}: {path} is not a directory")
+        load_config(path)  # a broken config.json fails here, before any model is loaded
+        name = name or path.name
+        while name in out:
+            name += "'"
+        out[name] = path
+    return out
+
+
+def _pick(arg: Any, default: Any) -> Any:
+    """A command-line value when given, else the config's."""
+    return arg if arg is not None else default
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.commands import config_from_args, resolve_device
+
+    cfg = config_from_args(args)
+    ec = cfg.eval
+    offline = args.features is not None
+    given = [f"--{k.replace('_', '-')}" for k in ONLINE_ONLY if getattr(args, k) is not None]
+    if offline and given:
+        log.warning("offline evaluation replays the cached data greedily; ignoring %s", ", ".join(given))
+    paths = parse_drafters(args.drafter)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else list(ec.ddtree_budgets)
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"--budgets: node budgets must be >= 1, got {budgets}")
+    top_k = args.top_k if args.top_k is not None else ec.ddtree_top_k
+    if top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {top_k}")
+    method_labels(methods, budgets)  # validates --methods
+    device = resolve_device(cfg.target.device)
+    settings = {"methods": methods, "budgets": budgets, "top_k": top_k}
+    t0 = time.perf_counter()
+    if offline:
+        from dflashkit.data.features import FeatureCache
+
+        cache = FeatureCache(args.features)
+        head = load_target_head(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+        problems = cache.target_problems(head)
+        if problems:
+            raise ValueError("the features are not this target's: " + "; ".join(problems))
+        drafters = {}
+        for name, path in paths.items():
+            d = load_drafter(path, head, device=device, dtype=head.dtype)
+            if list(cache.layer_ids) != list(d.config.target_layer_ids):
+                raise ValueError(f"--drafter {path}: target_layer_ids {d.config.target_layer_ids} differ from the feature "
+                                 f"cache's layers {cache.layer_ids} ({args.features}); extract features for this drafter")
+            drafters[name] = d
+        report = evaluate_offline(drafters, head, cache, methods=methods, budgets=budgets, top_k=top_k, limit=args.limit)
+        report["features"] = str(args.features)
+    else:
+        from dflashkit.data.chat import prompt_ids
+        from dflashkit.data.prompts import load_prompts
+        from dflashkit.target import load_target
+        from dflashkit.vocab import stop_token_ids
+
+        sampling = Sampling(_pick(args.temperature, ec.temperature), _pick(args.top_p, ec.top_p), _pick(args.seed, ec.seed))
+        max_new = _pick(args.max_new_tokens, ec.max_new_tokens)
+        if max_new < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
+        convs = load_prompts(_pick(args.prompts, ec.prompts), limit=_pick(args.limit, ec.limit))
+        target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+        drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
+        prompts = []
+        for c in convs:
+            msgs = c.messages[:max(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
+            prompts.append(Prompt(c.id, torch.tensor([prompt_ids(target.tokenizer, msgs, thinking=cfg.data.thinking)])))
+        stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+        report = evaluate_online(target, drafters, prompts, methods=methods, budgets=budgets, top_k=top_k,
+                                 max_new_tokens=max_new, sampling=sampling, stop_ids=stops,
+                                 engine=_pick(args.engine, "auto"))
+        settings.update(prompts=_pick(args.prompts, ec.prompts), max_new_tokens=max_new, temperature=sampling.temperature,
+                        top_p=sampling.top_p, seed=sampling.seed)
+    report.update(date=time.strftime("%Y-%m-%d %H:%M"), target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
+                  device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
+                  drafter_paths={n: str(p) for n, p in paths.items()})
+    files = write_report(report, args.out)
+    print(markdown(report))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0

@@ -1,0 +1,205 @@
+"""Evaluation: offline τ from cached features equals online greedy τ; the CLI validates per mode
+(SPEC §3 mistakes 5 and 8); reports are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_drafter, make_tiny_target
+from dflashkit.checkpoint import save_drafter
+from dflashkit.cli import main
+from dflashkit.data.features import FeatureSample
+from dflashkit.decode import HFEngine, generate
+from dflashkit.drafter import training_hidden
+from dflashkit.evaluate import (Prompt, answer_spans, evaluate_offline, evaluate_online, method_labels, offline_accepted,
+                                replay_rounds, summarize, write_report)
+
+LABELS = method_labels(["dflash", "ddtree"], [4, 12])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_decode.py
+    yield
+    torch.set_num_threads(n)
+
+
+def test_spans_rounds_and_summary():
+    assert answer_spans(torch.tensor([0, 1, 1, 0, 0, 1, 1, 1])) == [(1, 3), (5, 8)]
+    # answer [10, 20): accepted drafts per bonus position
+    acc = {p: 0 for p in range(10, 19)} | {10: 3, 15: 9, 16: 1}
+    rounds, per_pos = replay_rounds(acc, [(10, 20)])
+    assert rounds == [4, 1, 4]  # 10 -> 14 -> 15 -> end (clipped: 19 - 15 = 4 tokens left)
+    assert sum(rounds) == 20 - 10 - 1 and len(per_pos) == 9 and per_pos[4:7] == [1, 4, 2]
+    s = summarize([1, 3, 3, 8], 8)
+    assert s["tau"] == 3.75 and s["hist"] == [1, 0, 2, 0, 0, 0, 0, 1]
+    assert s["slot_acceptance"][:3] == [0.75, 0.75, 0.25]
+
+
+def _greedy_data(target, n: int, prompt_len: int = 12, new: int = 40, seed: int = 0):
+    """Regenerated data: random prompts + the target's own greedy answers (loss mask on the answer)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, 120, (1, prompt_len), generator=g)
+        ans = generate(HFEngine(target), ids, max_new_tokens=new, method="ar").tokens
+        seq = torch.cat([ids[0], torch.tensor(ans)])
+        out.append((f"s{i}", ids, seq, torch.cat([torch.zeros(prompt_len), torch.ones(len(ans))]).bool()))
+    return out
+
+
+def _train(drafter, target, data, steps: int = 100):
+    """A few CE steps on the regenerated answers: enough for τ well above 1 on them."""
+    B = drafter.config.block_size
+    feats = [target.forward(seq[None], drafter.config.target_layer_ids).features for _, _, seq, _ in data]
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(steps):
+        _, ids, seq, _ = data[step % len(data)]
+        T, a0 = len(seq), ids.shape[1] - 1
+        anchors = torch.arange(a0, T - 1)[None]
+        h = training_hidden(drafter, target.embed, seq[None], feats[step % len(data)], anchors)
+        logits = target.lm_head(h).view(anchors.shape[1], B, -1)[:, 1:]
+        labels = torch.stack([F.pad(seq[a + 1:a + B], (0, max(0, a + B - T)), value=-100) for a in anchors[0].tolist()])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval().requires_grad_(False)
+
+
+def test_offline_tau_equals_online_tiny_trained():
+    """A drafter with real acceptance (τ well above 1, every value from 1 to B seen): the rounds
+    replayed from cached features are exactly the online greedy rounds, DFlash and DDTree."""
+    target = make_tiny_target()
+    data = _greedy_data(target, 4)
+    drafter = _train(make_tiny_drafter(target), target, data)
+    items = [FeatureSample(sid, seq, mask, target.forward(seq[None], drafter.config.target_layer_ids).features[0])
+             for sid, _, seq, mask in data]
+    seen = set()
+    for (sid, ids, seq, mask), item in zip(data, items):
+        acc, spans = offline_accepted(drafter, target, item, LABELS, top_k=3)
+        assert spans == [(12, 52)]
+        for label, method, budget in LABELS:
+            online = generate(HFEngine(target, drafter), ids, max_new_tokens=40, method=method, budget=budget, top_k=3)
+            assert online.tokens == seq[12:].tolist()
+            assert replay_rounds(acc[label], spans)[0] == online.accept_lengths, (sid, label)
+            seen.update(online.accept_lengths)
+    assert {1, 8} <= seen and len(seen) >= 4
+    rep_off = evaluate_offline({"d": drafter}, target, items, methods=["dflash", "ddtree"], budgets=[4, 12], top_k=3)
+    prompts = [Prompt(sid, ids) for sid, ids, _, _ in data]
+    rep_on = evaluate_online(target, {"d": drafter}, prompts, methods=["dflash", "ddtree"], budgets=[4, 12], top_k=3,
+                             max_new_tokens=40, engine="hf")
+    for label, _, _ in LABELS:
+        on, off = rep_on["drafters"]["d"]["methods"][label], rep_off["drafters"]["d"]["methods"][label]
+        assert (on["tau"], on["rounds"], on["hist"]) == (off["tau"], off["rounds"], off["hist"])
+        assert on["identical"] is True and on["tau"] > 2
+    assert rep_on["baseline"]["tokens"] == 160
+
+
+# ---- the real testbed, through the CLI --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_eval_setup(smollm2, tmp_path_factory):
+    """A reference-format drafter directory and a float32 feature cache of 2 regenerated HumanEval
+    answers (the target's own greedy tokens, stop token included)."""
+    from dflashkit.data.chat import TokenizedSample, prompt_ids
+    from dflashkit.data.features import extract_features
+    from dflashkit.data.prompts import load_prompts
+    from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+    from dflashkit.vocab import default_mask_token_id, stop_token_ids
+
+    root = tmp_path_factory.mktemp("eval")
+    tok = smollm2.tokenizer
+    torch.manual_seed(0)
+    cfg = drafter_config_for_target(smollm2.config, default_mask_token_id(tok, smollm2.vocab_size), num_layers=1)
+    save_drafter(DFlashDrafter(cfg), root / "ref", dtype=torch.bfloat16)
+    stops = stop_token_ids(tok, smollm2.model.generation_config)
+    samples, online = [], []
+    for conv in load_prompts("humaneval", limit=2):
+        ids = prompt_ids(tok, conv.messages)
+        ans = generate(HFEngine(smollm2), torch.tensor([ids]), max_new_tokens=12, method="ar", stop_ids=stops).tokens
+        samples.append(TokenizedSample(conv.id, ids + ans, [0] * len(ids) + [1] * len(ans)))
+    extract_features(smollm2, samples, cfg.target_layer_ids, root / "feats", dtype="float32")
+    return root
+
+
+@pytest.mark.slow
+def test_eval_cli_offline_needs_no_online_arguments_and_no_target_layers(smollm2, smol_eval_setup, monkeypatch, capsys):
+    """Mistake 5: offline mode runs with only --features and --drafter (a reference-format dir);
+    online-only options are ignored with a warning, never required. Mistake 8: the target's
+    decoder layers are never built with weights (they stay on the meta device)."""
+    import dflashkit.target as target_mod
+
+    real = target_mod.load_target
+
+    def guarded(*a, **k):
+        assert k.get("weights") is False, "offline evaluation must not load the target's layers"
+        return real(*a, **k)
+
+    monkeypatch.setattr(target_mod, "load_target", guarded)
+    root = smol_eval_setup
+    out = root / "off"
+    rc = main(["eval", "--features", str(root / "feats"), "--drafter", f"mine={root / 'ref'}", "--budgets", "4,8",
+               "--out", str(out), "--temperature", "0.7", "target.device=cpu"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["mode"] == "offline" and rep["samples"] == 2
+    assert set(rep["drafters"]["mine"]["methods"]) == {"dflash", "ddtree-4", "ddtree-8"}
+    assert all((out / f).is_file() and (out / f).stat().st_size > 0 for f in ("report.md", "tau_hist.png", "slot_acceptance.png"))
+
+
+@pytest.mark.slow
+def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
+    """Online on the same prompts: greedy outputs identical to autoregressive, and τ / rounds /
+    histogram equal the offline replay of the cached regenerated answers (previous test)."""
+    root = smol_eval_setup
+    rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--prompts", "humaneval", "--limit", "2",
+               "--max-new-tokens", "12", "--budgets", "4,8", "--engine", "hf", "--out", str(root / "on"), "target.device=cpu"])
+    assert rc == 0, capsys.readouterr().err
+    on = json.loads((root / "on" / "report.json").read_text())
+    off_dir = root / "off"
+    if not (off_dir / "report.json").exists():
+        main(["eval", "--features", str(root / "feats"), "--drafter", f"mine={root / 'ref'}", "--budgets", "4,8",
+              "--out", str(off_dir), "target.device=cpu"])
+    off = json.loads((off_dir / "report.json").read_text())
+    assert on["prompts"] == 2 and on["baseline"]["tokens"] > 0
+    for label in ("dflash", "ddtree-4", "ddtree-8"):
+        m_on, m_off = on["drafters"]["mine"]["methods"][label], off["drafters"]["mine"]["methods"][label]
+        assert m_on["identical"] is True and m_on["speedup"] > 0
+        assert (m_on["tau"], m_on["rounds"], m_on["hist"]) == (m_off["tau"], m_off["rounds"], m_off["hist"])
+    assert "| mine | dflash |" in (root / "on" / "report.md").read_text()
+
+
+def test_eval_cli_argument_errors(tmp_path, capsys):
+    """Clear errors, each before any model is loaded."""
+    assert main(["eval"]) == 1
+    assert "--drafter DIR" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "nope")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    assert main(["eval", "--drafter", str(tmp_path / "d")]) == 1
+    assert "config.json" in capsys.readouterr().err
+    target = make_tiny_target()
+    save_drafter(make_tiny_drafter(target), tmp_path / "ok")
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--methods", "medusa"]) == 1
+    assert "--methods" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--budgets", "0"]) == 1
+    assert "--budgets" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--features", str(tmp_path / "nofeats")]) == 1
+    assert "manifest.json" in capsys.readouterr().err
+
+
+def test_write_report_files(tmp_path):
+    m = {**summarize([1, 2, 4], 4), "tau_per_position": 2.0}
+    rep = {"mode": "offline", "samples": 1, "answer_tokens": 9, "drafters": {"a": {"block_size": 4, "methods": {"dflash": m}}}}
+    files = write_report(rep, tmp_path)
+    assert sorted(f.name for f in files) == ["report.json", "report.md", "slot_acceptance.png", "tau_hist.png"]
+    assert "| a | dflash | 2.333 | 3 | 2.000 |" in (tmp_path / "report.md").read_text()
+    assert not (tmp_path / ".plots").exists()
