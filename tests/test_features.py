@@ -12,7 +12,7 @@ from datahelpers import one_thread, run_cli, save_tiny_target, start_cli, wait_u
 from dflashkit.cli import main as cli_main
 from dflashkit.data.chat import TokenizedSample, tokenize_conversation
 from dflashkit.data.check import Comparison
-from dflashkit.data.features import FeatureCache, extract_features, online_features, sha256_file
+from dflashkit.data.features import FeatureCache, extract_features, online_features, plan_shards, sha256_file
 from dflashkit.target import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,6 +129,16 @@ def test_ranks_write_disjoint_shards(tiny_dir, tmp_path):
         [f"shard-{k:05d}.json" for k in range(0, single["num_shards"], 2)]
     both = extract_features(target, samples, [0, 2, 5], out, shard_size=60, rank=1, world=2)
     assert both["shards"] == single["shards"]
+
+
+def test_rank_from_torchrun_env(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    samples = random_samples(12)
+    assert extract_features(load_target(tiny_dir), samples, [1], tmp_path, shard_size=60) is None
+    n = len(plan_shards([len(s.input_ids) for s in samples], 60))
+    assert n >= 4 and sorted(p.name for p in tmp_path.glob("shard-*.json")) == \
+        [f"shard-{k:05d}.json" for k in range(1, n, 3)]
 
 
 def test_check_features_cli(tiny_dir, tmp_path):

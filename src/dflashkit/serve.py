@@ -206,10 +206,13 @@ def _chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
 def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0):
     """The FastAPI app. `fail_every=N` answers every N-th generation request with HTTP 500: a
     fault injector for testing clients' retries (`dflashkit serve --fail-every N`)."""
-    from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
+    try:
+        from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from starlette.exceptions import HTTPException
+    except ImportError:
+        raise RuntimeError("the server needs fastapi and uvicorn: pip install 'dflashkit[serve]'") from None
 
     from dflashkit.data.chat import encode, render
     from dflashkit.vocab import stop_token_ids

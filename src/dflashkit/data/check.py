@@ -10,7 +10,6 @@ relative to the largest reference value.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any

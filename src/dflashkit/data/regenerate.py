@@ -238,7 +238,7 @@ def regenerate_http(base_url: str, conversations: list[Conversation], out_path: 
     try:
         import httpx
     except ImportError:
-        raise ImportError("the HTTP back-end needs httpx: pip install 'dflashkit[serve]'") from None
+        raise RuntimeError("the HTTP back-end needs httpx: pip install 'dflashkit[serve]'") from None
 
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key or os.environ.get('OPENAI_API_KEY', 'none')}"}
