@@ -139,10 +139,13 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
     tok = target.tokenizer
     stops = sorted(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    # Every field explicit: a model's own generation_config (Qwen3: sampling, top_k=20) must not leak in.
-    sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0) \
-        if params.temperature > 0 else dict(do_sample=False)
-    gen = GenerationConfig(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=stops, **sampling)
+    # Every field that shapes the distribution is explicit: `generate` fills unset (None) fields from
+    # the model's own generation_config (Qwen3: sampling, top_k=20; Qwen2.5: repetition_penalty=1.05),
+    # and the drafter must learn the target's plain distribution.
+    sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, min_p=0.0,
+                    typical_p=1.0) if params.temperature > 0 else dict(do_sample=False)
+    gen = GenerationConfig(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=stops,
+                           repetition_penalty=1.0, no_repeat_ngram_size=0, **sampling)
     contexts = [context_messages(c) for c in conversations]
     ids = [prompt_ids(tok, m, thinking=params.thinking) for m in contexts]
     # The plan covers every prompt, done or not, so that batches (and thus greedy numerics) do not
