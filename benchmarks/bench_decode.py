@@ -9,7 +9,7 @@ autoregressive steps, DFlash (one chain of 15) and DDTree at several node budget
 The floor is reading target + drafter weights once over the measured copy bandwidth. Engines:
 `hf` (the target's own Transformers forward, dynamic cache, eager launches), `static` (static
 KV caches, eager), `graphs` (static + CUDA graphs), `compiled` (graphs + torch.compile of the
-per-layer functions). Stage times synchronise the GPU at each stage boundary; "round" is the
+per-layer functions), `fused` (compiled, with q/k/v and gate/up weights concatenated). Stage times synchronise the GPU at each stage boundary; "round" is the
 same loop without those extra synchronisations.
 
     python benchmarks/bench_decode.py --json out.json        # GPU
@@ -104,6 +104,7 @@ def engines(device: torch.device, compile_ok: bool) -> dict:
         out["graphs"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True)
         if compile_ok:
             out["compiled"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True)
+            out["fused"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True, fuse=True)
     out["hf"] = HFEngine
     out["static"] = lambda t, d: StaticEngine(t, d, cuda_graphs=False)
     return out
@@ -140,7 +141,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
     ap.add_argument("--budgets", default="8,16,32,64")
-    ap.add_argument("--engines", default=None, help="comma list among hf,static,graphs,compiled (default: all that apply)")
+    ap.add_argument("--engines", default=None, help="comma list among hf,static,graphs,compiled,fused (default: all that apply)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per measured generation (rounds, at τ=1)")
     ap.add_argument("--hf-new-tokens", type=int, default=12, help="fewer for the slow Transformers engine")

@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 from conftest import make_tiny_drafter, make_tiny_target
 from dflashkit import decode as decode_mod
 from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import HFEngine, Sampling, Tree, build_tree, chat_ids, generate, target_tokens, walk
+from dflashkit.decode import HFEngine, Sampling, Tree, build_tree, chat_ids, generate, generate_stream, target_tokens, walk
 from dflashkit.drafter import DFlashDrafter, draft_block, drafter_config_for_target
 from dflashkit.static_engine import StaticEngine
 from dflashkit.target import Target
 
-ENGINES = {"hf": HFEngine, "static": StaticEngine}
+ENGINES = {"hf": HFEngine, "static": StaticEngine, "fused": lambda t, d=None: StaticEngine(t, d, fuse=True)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -133,7 +133,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 # ---- greedy identity, tiny targets (both engines, every method) --------------------------------
 
 
-@pytest.mark.parametrize("engine", ["hf", "static"])
+@pytest.mark.parametrize("engine", ["hf", "static", "fused"])
 def test_greedy_identical_tiny(tiny_target, engine):
     drafter = make_tiny_drafter(tiny_target)
     torch.manual_seed(1)
@@ -223,7 +223,8 @@ def test_stop_token_and_final_round_clipping(tiny_target):
     first = ref.index(stop)
     eng = Oracle(HFEngine(tiny_target, drafter), oracle_proposals(ids[0].tolist() + ref, V, B, 1))
     streamed: list[int] = []
-    g = generate(eng, ids, max_new_tokens=40, method="dflash", stop_ids={stop}, on_tokens=streamed.extend)
+    for new, g in generate_stream(eng, ids, max_new_tokens=40, method="dflash", stop_ids={stop}):
+        streamed += new
     assert g.finish_reason == "stop" and g.tokens == ref[:first + 1] == streamed
     assert 1 + sum(g.accept_lengths) == len(g.tokens)  # the last round counts only tokens up to the stop
     with pytest.raises(ValueError, match="needs a drafter"):

@@ -36,7 +36,7 @@ import heapq
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -57,6 +57,11 @@ class Tree:
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "Tree":
+        """DFlash: node k (depth k) under node k-1."""
+        return cls(list(tokens), list(range(len(tokens))), list(range(1, len(tokens) + 1)))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -299,8 +304,16 @@ class _Stages:
             self.t = now
 
 
+def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
+    """Run `generate_stream` to the end; returns the finished `Generation`."""
+    g = None
+    for _, g in generate_stream(engine, prompt_ids, **kw):
+        pass
+    return g
+
+
 @torch.no_grad()
-def generate(
+def generate_stream(
     engine: Engine,
     prompt_ids: Tensor,  # [1, T]
     *,
@@ -310,14 +323,13 @@ def generate(
     top_k: int = 4,
     sampling: Sampling | None = None,
     stop_ids: set[int] | frozenset[int] = frozenset(),
-    on_tokens: Callable[[list[int]], None] | None = None,
     profile: bool = False,
-) -> Generation:
-    """Generate up to `max_new_tokens` tokens; stops after the first stop token (included).
+) -> Iterator[tuple[list[int], Generation]]:
+    """Generate up to `max_new_tokens` tokens, stopping after the first stop token (included).
+    Yields (newly committed tokens, the running `Generation`) after the prefill and each round.
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot). `on_tokens` receives each round's
-    newly committed tokens (streaming)."""
+    `budget` nodes from the top-`top_k` tokens of each slot)."""
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1:
@@ -329,59 +341,68 @@ def generate(
     sampling = sampling or Sampling()
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
     if method == "dflash":
-        budget, top_k = B - 1, 1
+        budget = B - 1
     elif method == "ddtree" and (budget is None or budget < 1):
         raise ValueError(f"ddtree needs a node budget >= 1, got {budget}")
     elif method == "ar":
         budget = 0
+    dev = engine.target.device
     gen = None
     if sampling.temperature > 0:
-        gen = torch.Generator(device=engine.target.device)
+        gen = torch.Generator(device=dev)
         gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-    dev = engine.target.device
     stages = _Stages(profile, dev)
+    chain_depths = torch.arange(B, device=dev)
 
     t0 = time.perf_counter()
     logits = engine.prefill(prompt_ids.to(dev), capacity=prompt_ids.shape[1] + max_new_tokens + budget + 2 * B)
-    bonus = int(target_tokens(logits, sampling, gen)[0])
+    bonus = target_tokens(logits, sampling, gen)  # [1], stays on the device
+    out = [int(bonus)]
+    res = Generation(out, [], "", prompt_ids.shape[1], time.perf_counter() - t0, 0.0)
     t1 = time.perf_counter()
-    out, taus, finish = [bonus], [], ""
-    if on_tokens:
-        on_tokens([bonus])
-    if bonus in stop_ids:
-        finish = "stop"
-    elif len(out) >= max_new_tokens:
-        finish = "length"
-    while not finish:
+    res.finish_reason = "stop" if out[0] in stop_ids else "length" if max_new_tokens == 1 else ""
+    yield list(out), res
+    while not res.finish_reason:
         stages.start()
-        if budget:
-            dlogits = engine.draft(torch.tensor([bonus], device=dev))[0].float()  # [B-1, V]
+        if method == "dflash":  # the chain's tokens stay on the device: one host sync per round
+            draft = engine.draft(bonus)[0].argmax(-1)  # [B-1]
             stages.mark("draft")
-            lp, ids = torch.log_softmax(dlogits, -1).topk(top_k, dim=-1)
-            tree = build_tree(lp, ids, budget)
+            tokens, depths, anc = torch.cat([bonus, draft])[None], chain_depths, None
+        elif budget:
+            dlogits = engine.draft(bonus)[0].float()  # [B-1, V]
+            stages.mark("draft")
+            tree = build_tree(*torch.log_softmax(dlogits, -1).topk(top_k, dim=-1), budget)
+            tokens = torch.cat([bonus, torch.tensor(tree.tokens, dtype=torch.long, device=dev)])[None]
+            depths = torch.tensor([0, *tree.depths], device=dev)
+            anc = None if tree.is_chain() else tree.ancestors()
         else:
-            tree = Tree([], [], [])
-        tokens = torch.tensor([[bonus, *tree.tokens]], device=dev)
-        depths = torch.tensor([0, *tree.depths], device=dev)
-        anc = None if tree.is_chain() else tree.ancestors()
+            tree, tokens, depths, anc = Tree([], [], []), bonus[None], chain_depths[:1], None
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)[0]
         stages.mark("verify")
-        path, bonus = walk(tree, target_tokens(logits, sampling, gen).tolist())
+        picked = target_tokens(logits, sampling, gen)  # [m+1]
+        if method == "dflash":
+            host = torch.cat([draft, picked]).tolist()
+            tree, picked_host = Tree.chain(host[:B - 1]), host[B - 1:]
+        else:
+            picked_host = picked.tolist()
+        path, last = walk(tree, picked_host)
         engine.commit(path)
-        new = [tree.tokens[i - 1] for i in path[1:]] + [bonus]
+        bonus = picked[path[-1]:path[-1] + 1]
+        new = [tree.tokens[i - 1] for i in path[1:]] + [last]
         stages.mark("commit")
         for i, t in enumerate(new):  # cut at the first stop token or the token limit
             if t in stop_ids or len(out) + i + 1 >= max_new_tokens:
-                new, finish = new[:i + 1], "stop" if t in stop_ids else "length"
+                new, res.finish_reason = new[:i + 1], "stop" if t in stop_ids else "length"
                 break
         out += new
-        taus.append(len(new))
-        if on_tokens:
-            on_tokens(new)
+        res.accept_lengths.append(len(new))
+        res.decode_seconds = time.perf_counter() - t1
+        res.stage_seconds = dict(stages.seconds)
+        yield new, res
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    return Generation(out, taus, finish, prompt_ids.shape[1], t1 - t0, time.perf_counter() - t1, dict(stages.seconds))
+    res.decode_seconds = time.perf_counter() - t1
 
 
 # ---- `dflashkit generate` ---------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.decode import Sampling, build_tree, generate, make_engine, walk
+from dflashkit.decode import Sampling, Tree, build_tree, generate, make_engine, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.target import Target
 
@@ -102,12 +102,13 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
         return out, spans
     end_of = {p: e for a, e in spans for p in range(a, e - 1)}
     feats = item.features.to(device=dev, dtype=head.dtype)[None]
-    k = max(top_k if m == "ddtree" else 1 for _, m, _ in labels)
+    k = top_k if any(m == "ddtree" for _, m, _ in labels) else 1
     for i in range(0, len(anchors), chunk):
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
-        logits = head.lm_head(h).view(len(part), B, -1)[:, 1:].float()
-        lp, tok = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        logits = head.lm_head(h).view(len(part), B, -1)[:, 1:]
+        chain = logits.argmax(-1).tolist()  # the same op as online DFlash
+        lp, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
         lp, tok = lp.cpu(), tok.cpu()
         for j, p in enumerate(part):
             # truth[d] = the data's token at depth d of the tree (root = the bonus p, depth 0)
@@ -115,7 +116,7 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
             truth += [-1] * (B - len(truth))
             for label, method, budget in labels:
                 if method == "dflash":
-                    tree = build_tree(lp[j, :, :1], tok[j, :, :1], B - 1)
+                    tree = Tree.chain(chain[j])
                 else:
                     tree = build_tree(lp[j, :, :top_k], tok[j, :, :top_k], budget)
                 path, _ = walk(tree, [truth[0]] + [truth[d] for d in tree.depths])

@@ -70,6 +70,8 @@ class LayerWeights(NamedTuple):
     ub: Tensor | None
     down: Tensor
     db: Tensor | None
+    qkv: Tensor | None = None  # fused [q; k; v] rows (StaticEngine(fuse=True)): one GEMM instead of three
+    gate_up: Tensor | None = None  # fused [gate; up] rows: one GEMM instead of two
 
 
 def _weights(layer: Any) -> LayerWeights:
@@ -84,6 +86,14 @@ def _weights(layer: Any) -> LayerWeights:
                         w[10], b[10])
 
 
+def fused(w: LayerWeights) -> LayerWeights:
+    """Concatenated q/k/v and gate/up weights (a copy of those tensors): fewer, larger GEMMs,
+    which read the weights closer to full bandwidth at the few rows of a decoding step."""
+    if any(b is not None for b in (w.qb, w.kb, w.vb, w.gb, w.ub)):
+        return w  # biased projections stay separate
+    return w._replace(qkv=torch.cat([w.q, w.k, w.v]), gate_up=torch.cat([w.gate, w.up]))
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     # The exact op order of Transformers' Llama/Qwen3 RMSNorm and of the drafter's.
     x32 = x.float()
@@ -96,20 +106,32 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
     """x [b, t, H] -> q [b, heads, t, d] (or None), k, v [b, kv_heads, t, d], RoPE applied."""
     b, t, _ = x.shape
     h = rms_norm(x, w.ln1, eps) if norm_input else x
+    if w.qkv is not None:
+        y = F.linear(h, w.qkv[heads * head_dim:] if not with_q else w.qkv)
+        parts = list(y.split([heads * head_dim] * with_q + [kv_heads * head_dim] * 2, dim=-1))
+        yq = parts.pop(0) if with_q else None
+        yk, yv = parts
+    else:
+        yq = F.linear(h, w.q, w.qb) if with_q else None
+        yk, yv = F.linear(h, w.k, w.kb), F.linear(h, w.v, w.vb)
 
-    def proj(wt: Tensor, bias: Tensor | None, n: int, norm: Tensor | None) -> Tensor:
-        y = F.linear(h, wt, bias).view(b, t, n, head_dim)
+    def heads_first(y: Tensor, n: int, norm: Tensor | None) -> Tensor:
+        y = y.view(b, t, n, head_dim)
         return (y if norm is None else rms_norm(y, norm, eps)).transpose(1, 2)
 
-    q = apply_rope(proj(w.q, w.qb, heads, w.qn), cos, sin) if with_q else None
-    return q, apply_rope(proj(w.k, w.kb, kv_heads, w.kn), cos, sin), proj(w.v, w.vb, kv_heads, None)
+    q = apply_rope(heads_first(yq, heads, w.qn), cos, sin) if with_q else None
+    return q, apply_rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None)
 
 
 def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
     """Attention output projection + residual, then the SwiGLU MLP + residual."""
     x = x + F.linear(o, w.o, w.ob)
     h = rms_norm(x, w.ln2, eps)
-    return x + F.linear(F.silu(F.linear(h, w.gate, w.gb)) * F.linear(h, w.up, w.ub), w.down, w.db)
+    if w.gate_up is not None:
+        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, w.gate, w.gb), F.linear(h, w.up, w.ub)
+    return x + F.linear(F.silu(gate) * up, w.down, w.db)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
@@ -160,7 +182,7 @@ class StaticEngine:
     """`decode.Engine` over static KV buffers; CUDA graphs on CUDA (batch size 1)."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, *, capacity: int = 0,
-                 cuda_graphs: bool | None = None, compile: bool = False) -> None:
+                 cuda_graphs: bool | None = None, compile: bool = False, fuse: bool = False) -> None:
         why = supported(target)
         if why:
             raise ValueError(f"static engine cannot run {target.name}: {why}; use engine 'hf'")
@@ -172,9 +194,11 @@ class StaticEngine:
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // self.heads
         self.scale = target.layers[0].self_attn.scaling
         self.tw = [_weights(layer) for layer in target.layers]
+        self.dw = [_weights(layer) for layer in drafter.layers] if drafter is not None else []
+        if fuse:
+            self.tw, self.dw = [fused(w) for w in self.tw], [fused(w) for w in self.dw]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
-        self.dw = [_weights(layer) for layer in drafter.layers] if drafter is not None else []
         dev = target.device
         self.graphs_on = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.graphs_on and dev.type != "cuda":
@@ -201,6 +225,12 @@ class StaticEngine:
             self.dk = torch.zeros(Ld, 1, dc.num_key_value_heads, capacity, dc.head_dim, device=dev, dtype=dt)
             self.dv = torch.zeros_like(self.dk)
         self.capacity = capacity
+        self._start = torch.zeros((), dtype=torch.long, device=dev)  # scalars set with fill_: no host sync
+        self._ctx_len = torch.zeros((), dtype=torch.long, device=dev)
+        self._tril: dict[int, Tensor] = {}
+        if self.drafter is not None:
+            self._feats = torch.zeros(1, self.drafter.config.block_size, len(self.layer_ids) * self.target.hidden_size,
+                                      device=dev, dtype=dt)
         self.target_step.clear()  # graphs hold the old buffers' addresses
         self.draft_step.clear()
 
@@ -240,18 +270,25 @@ class StaticEngine:
 
     def verify(self, tokens: Tensor, depths: Tensor, ancestors: Tensor | None) -> Tensor:
         t, dev = tokens.shape[1], self.target.device
-        anc = torch.ones(t, t, dtype=torch.bool).tril() if ancestors is None else ancestors
-        start = torch.tensor(self.length, device=dev)
-        logits, self.verified = self.target_step(tokens, depths, anc.to(dev), start)
+        if ancestors is None:
+            if t not in self._tril:
+                self._tril[t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+            anc = self._tril[t]
+        else:
+            anc = ancestors.to(dev)
+        logits, self.verified = self.target_step(tokens, depths, anc, self._start.fill_(self.length))
         return logits
 
     def commit(self, path: list[int]) -> None:
         m, n = len(path), self.length
-        keep = torch.tensor(path, device=self.target.device)
-        if path != list(range(m)):  # move the accepted tree nodes' keys/values together
+        if path == list(range(m)):
+            # A view of the graph's output: `draft` copies it before the next verify overwrites it.
+            self.pending = self.verified[:, :m]
+        else:  # move the accepted tree nodes' keys/values together
+            keep = torch.tensor(path, device=self.target.device)
             self.k[:, :, :, n:n + m] = self.k[:, :, :, n + keep]
             self.v[:, :, :, n:n + m] = self.v[:, :, :, n + keep]
-        self.pending = self.verified[:, keep]
+            self.pending = self.verified[:, keep]
         self.length += m
 
     # ---- drafter ---------------------------------------------------------------------------
@@ -301,8 +338,7 @@ class StaticEngine:
             new = new[:, :0]
         if self.ctx_len + new.shape[1] != self.length:
             raise RuntimeError(f"drafter context {self.ctx_len}+{new.shape[1]} != target length {self.length}")
-        feats = torch.zeros(1, B, new.shape[-1], device=dev, dtype=new.dtype)
-        feats[:, :new.shape[1]] = new
-        out = self.draft_step(feats, bonus.view(1), torch.tensor(self.ctx_len, device=dev), torch.tensor(self.length, device=dev))
+        self._feats[:, :new.shape[1]] = new  # rows past it: stale, overwritten by the block's own keys
+        out = self.draft_step(self._feats, bonus.view(1), self._ctx_len.fill_(self.ctx_len), self._start.fill_(self.length))
         self.ctx_len = self.length
         return out
