@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tiny_drafter, make_tiny_target
+from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit import decode as decode_mod
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import HFEngine, Sampling, Tree, build_tree, chat_ids, generate, generate_stream, target_tokens, walk
@@ -22,14 +23,7 @@ from dflashkit.target import Target
 ENGINES = {"hf": HFEngine, "static": StaticEngine, "fused": lambda t, d=None: StaticEngine(t, d, fuse=True)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads run 3-20x slower as soon as
-    another process takes a core (measured with SmolLM2 and the tiny models alike)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # 2 threads run 3-20x slower on the busy 2-core machine
 
 
 def greedy_reference(target: Target, ids: torch.Tensor, n: int) -> list[int]:
@@ -387,3 +381,37 @@ def test_generate_command(smollm2, tmp_path, capsys):
     assert rc == 0 and "tokens in" in out and "tau" in out and "ddtree (budget 8" in out
     assert main(["generate", "--prompt", "x", "--method", "dflash"]) == 1
     assert "needs --drafter" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_speculative_with_openai_client(smollm2, tmp_path):
+    """`dflashkit serve --drafter DIR --ddtree-budget 8`: the official client gets the target's
+    greedy answer (plain and streamed), acceptance statistics in `usage`, 4xx for bad requests."""
+    import openai
+
+    from dflashkit.checkpoint import save_drafter
+    from dflashkit.data.chat import prompt_ids
+    from dflashkit.vocab import stop_token_ids
+
+    save_drafter(_smol_drafter(smollm2), tmp_path / "d")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = torch.tensor([prompt_ids(smollm2.tokenizer, chat)])
+    want = greedy_reference(smollm2, ids, 10)
+    stops = stop_token_ids(smollm2.tokenizer, smollm2.model.generation_config)
+    want = want[:next((i + 1 for i, t in enumerate(want) if t in stops), len(want))]
+    with live_server("--drafter", str(tmp_path / "d"), "--ddtree-budget", "8") as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, messages=chat, max_tokens=10, temperature=0)
+        assert r.choices[0].message.content == smollm2.tokenizer.decode(want, skip_special_tokens=True)
+        u = r.usage.model_dump()
+        assert u["completion_tokens"] == len(want) and u["decoding"] == "ddtree-8"
+        assert u["rounds"] == len(want) - 1 - u["accepted_draft_tokens"] and u["tau"] >= 1
+        chunks = list(client.chat.completions.create(model=model, messages=chat, max_tokens=10, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        assert chunks[-1].usage.model_dump()["rounds"] == u["rounds"]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model, messages=[{"role": "robot", "content": "x"}])
+        sampled = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0.8, seed=3)
+        assert sampled.choices[0].text and sampled.usage.model_dump()["rounds"] >= 1

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny_drafter, make_tiny_target
+from datahelpers import one_thread  # noqa: F401
 from dflashkit.checkpoint import save_drafter
 from dflashkit.cli import main
 from dflashkit.data.features import FeatureSample
@@ -21,12 +22,7 @@ from dflashkit.evaluate import (Prompt, answer_spans, evaluate_offline, evaluate
 LABELS = method_labels(["dflash", "ddtree"], [4, 12])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_decode.py
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_spans_rounds_and_summary():

@@ -405,6 +405,34 @@ def generate_stream(
     res.decode_seconds = time.perf_counter() - t1
 
 
+class SpeculativeGenerator:
+    """The `serve.Generator` of `dflashkit serve --drafter DIR`: speculative decoding behind the
+    OpenAI-compatible server, one chunk per round; the acceptance statistics of the request
+    (rounds, τ, accepted draft tokens) go into the response's usage block."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter, *, method: str = "dflash", budget: int | None = None,
+                 top_k: int = 4, engine: str = "auto") -> None:
+        self.engine = make_engine(target, drafter, engine)
+        self.method, self.budget, self.top_k = method, budget, top_k
+        self.label = method if method != "ddtree" else f"ddtree-{budget}"
+
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: set[int], seed: int | None) -> Iterator[Any]:
+        from dflashkit.serve import GenerationChunk
+
+        for new, g in generate_stream(self.engine, torch.tensor([input_ids]), max_new_tokens=max_new_tokens,
+                                      method=self.method, budget=self.budget, top_k=self.top_k,
+                                      sampling=Sampling(temperature, top_p, seed), stop_ids=stop_ids):
+            if not g.finish_reason:
+                yield GenerationChunk(new)
+                continue
+            yield GenerationChunk(new, g.finish_reason, {
+                "decoding": self.label, "rounds": g.rounds, "tau": round(g.tau, 4),
+                "accepted_draft_tokens": sum(g.accept_lengths) - g.rounds,
+                "time_to_first_token_s": round(g.prefill_seconds, 4),
+                "decode_tokens_per_s": round((len(g.tokens) - 1) / g.decode_seconds, 2) if g.decode_seconds > 0 else None})
+
+
 # ---- `dflashkit generate` ---------------------------------------------------------------------
 
 

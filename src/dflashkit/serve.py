@@ -393,6 +393,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="model id clients pass as `model` (default: the target's path)")
     p.add_argument("--fail-every", type=int, default=0, metavar="N",
                    help="testing aid: answer every N-th generation request with HTTP 500")
+    p.add_argument("--drafter", metavar="DIR", help="speculative decoding with this drafter (reference format); "
+                   "acceptance statistics are added to each response's usage block")
+    p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
     add_config_options(p)
 
 
@@ -405,7 +408,17 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                          device=resolve_device(cfg.target.device))
-    app = build_app(target, AutoregressiveGenerator(target), model_name=args.model_name, fail_every=args.fail_every)
+    if args.ddtree_budget is not None and (not args.drafter or args.ddtree_budget < 1):
+        raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
+    generator: Generator = AutoregressiveGenerator(target)
+    if args.drafter:
+        from dflashkit.checkpoint import load_drafter
+        from dflashkit.decode import SpeculativeGenerator
+
+        drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
+        generator = SpeculativeGenerator(target, drafter, method="ddtree" if args.ddtree_budget else "dflash",
+                                         budget=args.ddtree_budget)
+    app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every)
     # Bind first, then announce: with --port 0 the caller learns the port, and connections made
     # before uvicorn starts accepting wait in the backlog instead of being refused.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
