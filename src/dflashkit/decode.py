@@ -241,16 +241,18 @@ class HFEngine:
         self.length += len(path)
 
 
-def make_engine(target: Target, drafter: DFlashDrafter | None, kind: str = "auto", **static_kw: Any) -> Engine:
-    """'hf', 'static', or 'auto' (static on CUDA for Llama/Qwen-family targets, else hf)."""
+def make_engine(target: Target, drafter: DFlashDrafter | None, kind: str = "auto") -> Engine:
+    """'hf'; 'static' (static KV caches, CUDA graphs on CUDA); or 'auto': on CUDA, for
+    Llama/Qwen-family targets, static + torch.compile (the fastest measured, docs/benchmarks.md),
+    else hf."""
     from dflashkit import static_engine
 
     if kind not in ("auto", "hf", "static"):
         raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
-    if kind == "auto":
-        kind = "static" if target.device.type == "cuda" and static_engine.supported(target) is None else "hf"
+    if kind == "auto" and target.device.type == "cuda" and static_engine.supported(target) is None:
+        return static_engine.StaticEngine(target, drafter, compile=True)
     if kind == "static":
-        return static_engine.StaticEngine(target, drafter, **static_kw)
+        return static_engine.StaticEngine(target, drafter)
     return HFEngine(target, drafter)
 
 
