@@ -598,20 +598,20 @@ def resolve_precision(tcfg, device: torch.device) -> tuple[torch.dtype, str, boo
     return dtype, backend, tcfg.compile if tcfg.compile is not None else cuda
 
 
-BUDGET_PROBE_STEPS = 10
+BUDGET_PROBE_STEPS, BUDGET_REFIT_EVERY = 10, 50
 
 
-def fit_total_steps(done: int, cap: int, step_s: float, left_s: float, tc, d: Dist) -> int:
-    """Steps that fit in `left_s`, keeping ~10 % for evaluations and the final save; every rank
-    takes rank 0's answer so that all run the same schedule."""
-    n = done + int(0.9 * max(0.0, left_s) / max(step_s, 1e-6))
+def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int:
+    """Steps that fit in `left_s` at `step_s` per step (evaluations included in the mean), keeping
+    a little for the final save; every rank takes rank 0's answer so all run the same schedule."""
+    n = done + int(0.95 * max(0.0, left_s) / max(step_s, 1e-6))
     if tc.max_steps:
         n = min(n, tc.max_steps)
     if d.world > 1:
         t = torch.tensor([n], device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
         dist.broadcast(t, 0)
         n = int(t)
-    return max(done, min(n, cap))
+    return max(done, n)
 
 
 def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
@@ -704,14 +704,15 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         step = done = step + 1
         if done == start + 1:
             t_first = time.perf_counter()  # after the first step, which pays for compilation
-        if done == fit_at:
-            total = fit_total_steps(done, total, (time.perf_counter() - t_first) / BUDGET_PROBE_STEPS,
-                                    tc.time_budget_s - (time.perf_counter() - t_begin), tc, d)
+        if fit_at is not None and done >= fit_at and (done - fit_at) % BUDGET_REFIT_EVERY == 0 and done < total:
+            # Re-fitted as the mean step time settles (early steps recompile for new shapes).
+            now = time.perf_counter()
+            total = fit_total_steps(done, (now - t_first) / (done - start - 1), tc.time_budget_s - (now - t_begin), tc, d)
             trainer.set_total_steps(total)
             bar.total = total
             bar.refresh()
-            if d.main:
-                log.info("time budget %.0fs: %d steps fit", tc.time_budget_s, total)
+            if d.main and done == fit_at:
+                log.info("time budget %.0fs: about %d steps fit", tc.time_budget_s, total)
         tokens += stats.pop("block_tokens")
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tau=f"{max(best['tau_sim'], 0):.2f}")
