@@ -142,12 +142,12 @@ def test_eval_cli_offline_needs_no_online_arguments_and_no_target_layers(smollm2
     monkeypatch.setattr(target_mod, "load_target", guarded)
     root = smol_eval_setup
     out = root / "off"
-    rc = main(["eval", "--features", str(root / "feats"), "--drafter", f"mine={root / 'ref'}", "--budgets", "4,8",
+    rc = main(["eval", "--features", str(root / "feats"), "--drafter", f"mine={root / 'ref'}", "--budgets", "4",
                "--out", str(out), "--temperature", "0.7", "target.device=cpu"])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())
     assert rep["mode"] == "offline" and rep["samples"] == 2
-    assert set(rep["drafters"]["mine"]["methods"]) == {"dflash", "ddtree-4", "ddtree-8"}
+    assert set(rep["drafters"]["mine"]["methods"]) == {"dflash", "ddtree-4"}
     assert all((out / f).is_file() and (out / f).stat().st_size > 0 for f in ("report.md", "tau_hist.png", "slot_acceptance.png"))
 
 
@@ -157,16 +157,16 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
     histogram equal the offline replay of the cached regenerated answers (previous test)."""
     root = smol_eval_setup
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--prompts", "humaneval", "--limit", "2",
-               "--max-new-tokens", "12", "--budgets", "4,8", "--engine", "hf", "--out", str(root / "on"), "target.device=cpu"])
+               "--max-new-tokens", "12", "--budgets", "4", "--engine", "hf", "--out", str(root / "on"), "target.device=cpu"])
     assert rc == 0, capsys.readouterr().err
     on = json.loads((root / "on" / "report.json").read_text())
     off_dir = root / "off"
     if not (off_dir / "report.json").exists():
-        main(["eval", "--features", str(root / "feats"), "--drafter", f"mine={root / 'ref'}", "--budgets", "4,8",
+        main(["eval", "--features", str(root / "feats"), "--drafter", f"mine={root / 'ref'}", "--budgets", "4",
               "--out", str(off_dir), "target.device=cpu"])
     off = json.loads((off_dir / "report.json").read_text())
     assert on["prompts"] == 2 and on["baseline"]["tokens"] > 0
-    for label in ("dflash", "ddtree-4", "ddtree-8"):
+    for label in ("dflash", "ddtree-4"):
         m_on, m_off = on["drafters"]["mine"]["methods"][label], off["drafters"]["mine"]["methods"][label]
         assert m_on["identical"] is True and m_on["speedup"] > 0
         assert (m_on["tau"], m_on["rounds"], m_on["hist"]) == (m_off["tau"], m_off["rounds"], m_off["hist"])

@@ -146,7 +146,9 @@ def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: It
     labels = method_labels(methods, budgets)
     taus = {n: {lab: ([], []) for lab, _, _ in labels} for n in drafters}
     samples, tokens = 0, 0
-    for item in tqdm(items, desc="offline eval", unit="sample", total=limit, disable=None):
+    total = len(items) if hasattr(items, "__len__") else None
+    total = min(x for x in (total, limit) if x is not None) if (total or limit) else None
+    for item in tqdm(items, desc="offline eval", unit="sample", total=total, disable=None):
         if limit is not None and samples >= limit:
             break
         samples += 1
