@@ -166,6 +166,6 @@ def test_time_budget_fits_the_schedule_to_the_steps_that_fit(tmp_path):
                                          "train.save_every=1000"], sleep=0.05)
     steps = losses(out)
     last = max(steps)
-    assert 11 < last < 400  # fitted after the 10 probe steps, far below the 10**9 placeholder
+    assert 2 < last < 400  # fitted from the first timed step, far below the provisional 1000
     lrs = losses(out, key="lr")
     assert lrs[last] < 0.05 * max(lrs.values())  # the cosine reached (almost) zero at the fitted end

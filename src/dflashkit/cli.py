@@ -13,6 +13,7 @@ import sys
 
 # command -> (module, one-line help). Order follows the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("dflashkit.demo", "the main job on the embedded SmolLM2 default: regenerate, extract, train, evaluate, report"),
     "config": ("dflashkit.commands", "print the default configuration (YAML), with overrides applied"),
     "draft": ("dflashkit.commands", "load a target, draft one block for a prompt with a (possibly untrained) drafter"),
     "regenerate": ("dflashkit.data.regenerate", "the target answers the prompts (local Transformers or an OpenAI-compatible server), resumable JSONL"),

@@ -598,7 +598,7 @@ def resolve_precision(tcfg, device: torch.device) -> tuple[torch.dtype, str, boo
     return dtype, backend, tcfg.compile if tcfg.compile is not None else cuda
 
 
-BUDGET_PROBE_STEPS, BUDGET_REFIT_EVERY = 10, 50
+BUDGET_PROVISIONAL_STEPS, BUDGET_REFIT_EVERY = 1000, 10
 
 
 def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int:
@@ -655,7 +655,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed)
     total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
     if tc.time_budget_s and not tc.max_steps:
-        total = 10**9  # fitted to the budget after the first steps
+        total = BUDGET_PROVISIONAL_STEPS  # re-fitted to the budget from the first timed step on
     head = target.model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"target {target.name}: an LM head with a bias is not supported")
@@ -696,7 +696,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
 
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not d.main, dynamic_ncols=True)
     t_last, tokens = time.perf_counter(), 0.0
-    fit_at = start + 1 + BUDGET_PROBE_STEPS if tc.time_budget_s and start == 0 else None
+    fit_from = start + 2 if tc.time_budget_s and start == 0 else None
     step = start
     while step < total:
         groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, train_idx, tc.seed)
@@ -704,14 +704,14 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         step = done = step + 1
         if done == start + 1:
             t_first = time.perf_counter()  # after the first step, which pays for compilation
-        if fit_at is not None and done >= fit_at and (done - fit_at) % BUDGET_REFIT_EVERY == 0 and done < total:
-            # Re-fitted as the mean step time settles (early steps recompile for new shapes).
+        if fit_from is not None and done >= fit_from and (done == fit_from or done % BUDGET_REFIT_EVERY == 0):
+            # Re-fitted as the mean step time settles (early steps compile for new shapes).
             now = time.perf_counter()
             total = fit_total_steps(done, (now - t_first) / (done - start - 1), tc.time_budget_s - (now - t_begin), tc, d)
             trainer.set_total_steps(total)
             bar.total = total
             bar.refresh()
-            if d.main and done == fit_at:
+            if d.main and done == fit_from:
                 log.info("time budget %.0fs: about %d steps fit", tc.time_budget_s, total)
         tokens += stats.pop("block_tokens")
         bar.update(1)
