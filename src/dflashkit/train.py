@@ -577,7 +577,8 @@ def plot_curves(metrics: Path, png: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no held-out evaluation: nothing to label
+            ax.legend()
     fig.tight_layout()
     tmp = png.with_name(f".{png.name}.tmp.png")
     fig.savefig(tmp, dpi=100)
