@@ -117,7 +117,7 @@ def smol_eval_setup(smollm2, tmp_path_factory):
     cfg = drafter_config_for_target(smollm2.config, default_mask_token_id(tok, smollm2.vocab_size), num_layers=1)
     save_drafter(DFlashDrafter(cfg), root / "ref", dtype=torch.bfloat16)
     stops = stop_token_ids(tok, smollm2.model.generation_config)
-    samples, online = [], []
+    samples = []
     for conv in load_prompts("humaneval", limit=2):
         ids = prompt_ids(tok, conv.messages)
         ans = generate(HFEngine(smollm2), torch.tensor([ids]), max_new_tokens=12, method="ar", stop_ids=stops).tokens

@@ -21,7 +21,6 @@ Supported targets: Llama / Qwen2 / Qwen3-style decoders with full attention only
 
 from __future__ import annotations
 
-import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -30,8 +29,6 @@ from torch import Tensor
 
 from dflashkit.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflashkit.target import Target
-
-log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
