@@ -323,12 +323,18 @@ def _smol_drafter(smollm2, layers=1):
 
 @pytest.mark.slow
 def test_smollm2_greedy_identical(smollm2, smol_case):
-    """Untrained drafter (τ≈1): DFlash and DDTree, both engines, equal the target's greedy tokens."""
+    """The bundled trained drafter (real multi-token acceptance): DFlash and DDTree, both
+    engines, equal the target's own greedy tokens (untrained drafters: the tests below)."""
+    from dflashkit.demo import bundled_drafter_dir
+
     ids, ref = smol_case
-    drafter = _smol_drafter(smollm2)
-    for engine, method, budget in [("hf", "dflash", None), ("hf", "ddtree", 16), ("static", "ddtree", 16)]:
-        g = generate(ENGINES[engine](smollm2, drafter), ids, max_new_tokens=N_NEW, method=method, budget=budget)
+    trained = load_drafter(bundled_drafter_dir(), smollm2, dtype=torch.float32)
+    taus = []
+    for engine, method, budget in [("hf", "dflash", None), ("hf", "ddtree", 16), ("static", "ddtree", 32)]:
+        g = generate(ENGINES[engine](smollm2, trained), ids, max_new_tokens=N_NEW, method=method, budget=budget)
         assert g.tokens == ref[:N_NEW], (engine, method)
+        taus.append(g.tau)
+    assert min(taus) > 1.5
 
 
 @pytest.mark.slow

@@ -103,26 +103,25 @@ def test_offline_tau_equals_online_tiny_trained():
 
 @pytest.fixture(scope="module")
 def smol_eval_setup(smollm2, tmp_path_factory):
-    """A reference-format drafter directory and a float32 feature cache of 2 regenerated HumanEval
-    answers (the target's own greedy tokens, stop token included)."""
+    """The bundled trained SmolLM2 drafter (reference format, bf16 on disk) and a float32 feature
+    cache of 2 regenerated HumanEval answers (the target's own greedy tokens, stop token included)."""
+    from dflashkit.checkpoint import load_config
     from dflashkit.data.chat import TokenizedSample, prompt_ids
     from dflashkit.data.features import extract_features
     from dflashkit.data.prompts import load_prompts
-    from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
-    from dflashkit.vocab import default_mask_token_id, stop_token_ids
+    from dflashkit.demo import bundled_drafter_dir
+    from dflashkit.vocab import stop_token_ids
 
     root = tmp_path_factory.mktemp("eval")
+    (root / "ref").symlink_to(bundled_drafter_dir())
     tok = smollm2.tokenizer
-    torch.manual_seed(0)
-    cfg = drafter_config_for_target(smollm2.config, default_mask_token_id(tok, smollm2.vocab_size), num_layers=1)
-    save_drafter(DFlashDrafter(cfg), root / "ref", dtype=torch.bfloat16)
     stops = stop_token_ids(tok, smollm2.model.generation_config)
     samples = []
     for conv in load_prompts("humaneval", limit=2):
         ids = prompt_ids(tok, conv.messages)
-        ans = generate(HFEngine(smollm2), torch.tensor([ids]), max_new_tokens=12, method="ar", stop_ids=stops).tokens
+        ans = generate(HFEngine(smollm2), torch.tensor([ids]), max_new_tokens=24, method="ar", stop_ids=stops).tokens
         samples.append(TokenizedSample(conv.id, ids + ans, [0] * len(ids) + [1] * len(ans)))
-    extract_features(smollm2, samples, cfg.target_layer_ids, root / "feats", dtype="float32")
+    extract_features(smollm2, samples, load_config(root / "ref").target_layer_ids, root / "feats", dtype="float32")
     return root
 
 
@@ -153,11 +152,12 @@ def test_eval_cli_offline_needs_no_online_arguments_and_no_target_layers(smollm2
 
 @pytest.mark.slow
 def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
-    """Online on the same prompts: greedy outputs identical to autoregressive, and τ / rounds /
-    histogram equal the offline replay of the cached regenerated answers (previous test)."""
+    """Online on the same prompts (real verification by SmolLM2, the bundled trained drafter):
+    greedy outputs identical to autoregressive, and τ / rounds / histogram equal the offline
+    replay of the cached regenerated answers (previous test)."""
     root = smol_eval_setup
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--prompts", "humaneval", "--limit", "2",
-               "--max-new-tokens", "12", "--budgets", "4", "--engine", "hf", "--out", str(root / "on"), "target.device=cpu"])
+               "--max-new-tokens", "24", "--budgets", "4", "--engine", "hf", "--out", str(root / "on"), "target.device=cpu"])
     assert rc == 0, capsys.readouterr().err
     on = json.loads((root / "on" / "report.json").read_text())
     off_dir = root / "off"
@@ -170,6 +170,7 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
         m_on, m_off = on["drafters"]["mine"]["methods"][label], off["drafters"]["mine"]["methods"][label]
         assert m_on["identical"] is True and m_on["speedup"] > 0
         assert (m_on["tau"], m_on["rounds"], m_on["hist"]) == (m_off["tau"], m_off["rounds"], m_off["hist"])
+        assert m_on["tau"] > 1.3  # a trained drafter: multi-token rounds, not the trivial τ = 1
     assert "| mine | dflash |" in (root / "on" / "report.md").read_text()
 
 
