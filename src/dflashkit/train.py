@@ -167,8 +167,9 @@ class Batcher:
         return ids, mask, feats
 
     @torch.no_grad()
-    def build(self, items: list[tuple[Any, int]]) -> MicroBatch:
-        """items: (key, sample index); `key` (the stream position, or ('eval', i)) seeds anchors and noise."""
+    def build(self, items: list[tuple[Any, int]], noise: bool = True) -> MicroBatch:
+        """items: (key, sample index); `key` (the stream position, or ('eval', i)) seeds anchors and noise.
+        `noise=False` for held-out evaluation: τ_sim measures the drafter on clean features, as served."""
         seqs = [self.sample(i) for _, i in items]
         T = max(len(s[0]) for s in seqs)
         T = -(-T // SEQ_MULTIPLE) * SEQ_MULTIPLE
@@ -195,7 +196,7 @@ class Batcher:
         # The KL target is split off *before* any noise: noise reaches the fc input only.
         final = feats[..., self.final_cols.to(feats.device)] if self.need_final else None
         taps = feats[..., self.tap_cols.to(feats.device)]
-        if self.tcfg.feature_noise > 0:
+        if noise and self.tcfg.feature_noise > 0:
             for j, ((k, _), (x, _, _)) in enumerate(zip(items, seqs)):
                 g = _generator(seed, "noise", k, device=taps.device)
                 taps[j, : len(x)] = add_feature_noise(taps[j, : len(x)], self.tcfg.feature_noise, g)
@@ -726,7 +727,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
                 log.info("step %d/%d loss %.4f acc %.3f lr %.2e grad-norm %.3f %.0f block-tokens/s", done, total,
                          stats["loss"], stats["acc"], stats["lr"], stats["grad_norm"], stats["block_tokens_per_s"])
         if eval_idx and (done % tc.eval_every == 0 or done == total):
-            ev = trainer.evaluate((batcher.build(items), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
+            ev = trainer.evaluate((batcher.build(items, noise=False), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
             metrics.log(done, "eval", ev)
             if d.main:
                 log.info("eval step %d: tau_sim %.3f acc %.3f loss %.4f (per slot %s)", done, ev["tau_sim"], ev["acc"],
