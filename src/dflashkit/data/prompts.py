@@ -284,33 +284,27 @@ def _present(record: dict, field: str) -> bool:
     return record.get(field) not in (None, "")
 
 
-def _openai_messages(value: Any) -> list[dict]:
+def _turns(value: Any, field: str, role_key: str, content_key: str, roles: dict[str, str], expected: str) -> list[dict]:
+    """A list of turns -> OpenAI messages; `roles` maps the source's speaker names to ours."""
     if not isinstance(value, list) or not value:
-        raise _BadRecord(f"messages is {_describe(value)}, expected a non-empty list of {{role, content}} objects")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise _BadRecord(f"messages[{i}] is {_describe(message)}, expected a {{role, content}} object")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise _BadRecord(f"messages[{i}].role is {role!r}, expected one of {', '.join(_ROLES)}")
-        messages.append({"role": role, "content": _text(message.get("content"), f"messages[{i}].content")})
-    return messages
-
-
-def _sharegpt_messages(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise _BadRecord(f"conversations is {_describe(value)}, expected a non-empty list of {{from, value}} objects")
+        raise _BadRecord(f"{field} is {_describe(value)}, expected a non-empty list of {{{role_key}, {content_key}}} objects")
     messages = []
     for i, turn in enumerate(value):
         if not isinstance(turn, dict):
-            raise _BadRecord(f"conversations[{i}] is {_describe(turn)}, expected a {{from, value}} object")
-        speaker = turn.get("from")
-        if speaker not in _SHAREGPT_ROLES:
-            raise _BadRecord(f"conversations[{i}].from is {speaker!r}, expected one of human, gpt, system")
-        messages.append({"role": _SHAREGPT_ROLES[speaker],
-                         "content": _text(turn.get("value"), f"conversations[{i}].value")})
+            raise _BadRecord(f"{field}[{i}] is {_describe(turn)}, expected a {{{role_key}, {content_key}}} object")
+        speaker = turn.get(role_key)
+        if speaker not in roles:
+            raise _BadRecord(f"{field}[{i}].{role_key} is {speaker!r}, expected one of {expected}")
+        messages.append({"role": roles[speaker], "content": _text(turn.get(content_key), f"{field}[{i}].{content_key}")})
     return messages
+
+
+def _openai_messages(value: Any) -> list[dict]:
+    return _turns(value, "messages", "role", "content", {r: r for r in _ROLES}, ", ".join(_ROLES))
+
+
+def _sharegpt_messages(value: Any) -> list[dict]:
+    return _turns(value, "conversations", "from", "value", _SHAREGPT_ROLES, "human, gpt, system")
 
 
 def _text(value: Any, field: str) -> str:
