@@ -9,7 +9,8 @@ autoregressive steps, DFlash (one chain of 15) and DDTree at several node budget
 The floor is reading target + drafter weights once over the measured copy bandwidth. Engines:
 `hf` (the target's own Transformers forward, dynamic cache, eager launches), `static` (static
 KV caches, eager), `graphs` (static + CUDA graphs), `compiled` (graphs + torch.compile of the
-per-layer functions), `fused` (compiled, with q/k/v and gate/up weights concatenated). Stage times synchronise the GPU at each stage boundary; "round" is the
+per-layer functions), `fused` (compiled, with q/k/v and gate/up weights concatenated: what `make_engine`'s
+'auto' gives on CUDA). Stage times synchronise the GPU at each stage boundary; "round" is the
 same loop without those extra synchronisations.
 
     python benchmarks/bench_decode.py --json out.json        # GPU
@@ -100,12 +101,12 @@ def engines(device: torch.device, compile_ok: bool) -> dict:
     """The fast engines first, so that a time limit only cuts the baselines."""
     out = {}
     if device.type == "cuda":
-        out["graphs"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True)
+        out["graphs"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, fuse=False)
         if compile_ok:
-            out["compiled"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True)
+            out["compiled"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True, fuse=False)
             out["fused"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True, fuse=True)
     out["hf"] = HFEngine
-    out["static"] = lambda t, d: StaticEngine(t, d, cuda_graphs=False)
+    out["static"] = lambda t, d: StaticEngine(t, d, cuda_graphs=False, fuse=False)
     return out
 
 
