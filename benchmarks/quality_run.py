@@ -22,49 +22,13 @@ import torch
 from dflashkit.checkpoint import load_drafter
 from dflashkit.commands import resolve_device
 from dflashkit.config import load_config
-from dflashkit.data.chat import load_tokenized, prompt_ids, tokenize_file
+from dflashkit.data.chat import load_tokenized, tokenize_file
 from dflashkit.data.prompts import load_prompts
 from dflashkit.data.regenerate import GenerationParams, regenerate_local
-from dflashkit.decode import generate, make_engine
+from dflashkit.evaluate import eval_prompts, evaluate_online, markdown, write_report
 from dflashkit.target import load_target
 from dflashkit.train import train
 from dflashkit.vocab import stop_token_ids
-
-
-def _engine(target, drafter):
-    try:
-        return make_engine(target, drafter)
-    except Exception as e:  # the fast static engine is optional here: report and use the generic one
-        logging.warning("static engine unavailable (%s); using the Transformers engine", e)
-        return make_engine(target, drafter, "hf")
-
-
-def evaluate_online(target, drafter, prompts, *, max_new_tokens: int, budgets: list[int]) -> dict:
-    """Greedy AR, DFlash and DDTree(budget) on each prompt; outputs must be identical to AR."""
-    stops = stop_token_ids(target.tokenizer, target.model.generation_config)
-    ar_engine, sd_engine = _engine(target, None), _engine(target, drafter)
-    methods = [("ar", None, ar_engine), ("dflash", None, sd_engine)] + [("ddtree", b, sd_engine) for b in budgets]
-    rows = {}
-    for method, budget, engine in methods:
-        name = method if budget is None else f"ddtree-{budget}"
-        taus, toks, secs, same = [], 0, 0.0, True
-        for i, conv in enumerate(prompts):
-            ids = torch.tensor([prompt_ids(target.tokenizer, conv.messages)])
-            g = generate(engine, ids, max_new_tokens=max_new_tokens, method=method, budget=budget, stop_ids=stops)
-            taus += g.accept_lengths
-            toks += len(g.tokens)
-            secs += g.prefill_seconds + g.decode_seconds
-            if method == "ar":
-                rows.setdefault("_ar_tokens", []).append(g.tokens)
-            else:
-                same &= g.tokens == rows["_ar_tokens"][i]
-        rows[name] = {"tau": sum(taus) / max(1, len(taus)), "rounds": len(taus), "tokens": toks,
-                      "tokens_per_s": toks / secs, "identical_to_ar": same}
-    rows.pop("_ar_tokens")
-    ar_tps = rows["ar"]["tokens_per_s"]
-    for r in rows.values():
-        r["speedup"] = r["tokens_per_s"] / ar_tps
-    return rows
 
 
 def main() -> None:
@@ -99,20 +63,26 @@ def main() -> None:
     t_train = time.perf_counter() - t0
 
     drafter = load_drafter(run_dir / "best", target, device=target.device, dtype=target.dtype)
-    prompts = load_prompts("humaneval", limit=a.eval_limit)
-    rows = evaluate_online(target, drafter, prompts, max_new_tokens=cfg.eval.max_new_tokens, budgets=cfg.eval.ddtree_budgets)
+    prompts = eval_prompts(load_prompts("humaneval", limit=a.eval_limit), target.tokenizer)
+    report = evaluate_online(target, {"trained": drafter}, prompts, budgets=cfg.eval.ddtree_budgets,
+                             max_new_tokens=cfg.eval.max_new_tokens,
+                             stop_ids=stop_token_ids(target.tokenizer, target.model.generation_config))
+    report.update(target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M"))
+    write_report(report, out / "eval")  # JSON + Markdown + plots
+    methods = report["drafters"]["trained"]["methods"]
     result = {
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "seconds": {"load": t_load, "data": t_data - t_load, "train": t_train - t_data, "total_budgeted": t_train},
         "regenerate": {"prompts": rs.written, "completion_tokens": rs.completion_tokens, "tokens_per_s": rs.tokens_per_s},
         "tokenize": {"samples": len(samples), "dropped": ts.dropped if hasattr(ts, "dropped") else None},
         "train": json.loads((run_dir / "best.json").read_text()),
-        "eval": {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, **rows},
+        "eval": {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens,
+                 "ar_tokens_per_s": report["baseline"]["tokens_per_s"],
+                 **{lab: {k: m[k] for k in ("tau", "rounds", "tokens_per_s", "speedup", "identical_prompts")}
+                    for lab, m in methods.items()}},
     }
     print(json.dumps(result, indent=2))
-    print(f"\n| method | tau | tokens/s | speed-up | identical to AR |\n|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['identical_to_ar']} |")
+    print(markdown(report))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 log = logging.getLogger("dflashkit.demo")
 
@@ -89,12 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dflashkit.checkpoint import load_drafter, save_drafter
     from dflashkit.commands import config_from_args, resolve_device
-    from dflashkit.data.chat import load_tokenized, prompt_ids, tokenize_file
+    from dflashkit.data.chat import load_tokenized, tokenize_file
     from dflashkit.data.features import FeatureCache, extract_features
     from dflashkit.data.prompts import load_prompts
     from dflashkit.data.regenerate import GenerationParams, regenerate_local
     from dflashkit.drafter import default_target_layer_ids
-    from dflashkit.evaluate import Prompt, evaluate_online, markdown, write_report
+    from dflashkit.evaluate import eval_prompts, evaluate_online, markdown, write_report
     from dflashkit.target import load_target
     from dflashkit.train import train
     from dflashkit.vocab import stop_token_ids
@@ -182,8 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 return old
         drafters = {n: load_drafter(out / "drafters" / n, target, device=target.device, dtype=target.dtype)
                     for n in drafter_dirs}
-        prompts = [Prompt(c.id, torch.tensor([prompt_ids(target.tokenizer, c.messages)]))
-                   for c in load_prompts("humaneval", limit=plan.eval_prompts)]
+        prompts = eval_prompts(load_prompts("humaneval", limit=plan.eval_prompts), target.tokenizer)
         stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
         rep = evaluate_online(target, drafters, prompts, budgets=plan.budgets, max_new_tokens=plan.eval_tokens,
                               stop_ids=stops)
