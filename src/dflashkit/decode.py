@@ -153,6 +153,24 @@ def walk(tree: Tree, tokens: list[int]) -> tuple[list[int], int]:
     return path, tokens[path[-1]]
 
 
+def accept_chain(draft: list[int], picked: list[int]) -> int:
+    """DFlash: how many leading draft tokens equal the target's token before them (`picked[k]`
+    is the target's token after draft[:k]); the chain case of `walk`, without building a tree."""
+    a = 0
+    while a < len(draft) and draft[a] == picked[a]:
+        a += 1
+    return a
+
+
+def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator | None:
+    """The random stream of one sequence (None when greedy); an unset seed draws a fresh one."""
+    if sampling.temperature == 0:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+    return gen
+
+
 # ---- engines: who holds the caches ------------------------------------------------------------
 
 
@@ -175,6 +193,22 @@ class Engine(Protocol):
 
     def commit(self, path: list[int]) -> None:
         """Keep the verified nodes `path` (indices into the last verify's tokens)."""
+
+
+def attention_masks(vis: Tensor, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype, window: int | None) -> Any:
+    """Additive 4-D mask(s) [b, 1, q, K] for the target's own forward from `vis` bool [b, q, K]
+    (Transformers passes a 4-D mask through as-is). With a sliding `window` (Qwen3-style models
+    with sliding layers) a dict per layer type, the sliding one also bounded from below by
+    position: q_pos [b, q], k_pos [b, K]."""
+    lowest = torch.finfo(dtype).min
+
+    def additive(v: Tensor) -> Tensor:
+        return torch.zeros(v.shape, dtype=dtype, device=v.device).masked_fill(~v, lowest)[:, None]
+
+    if window is None:
+        return additive(vis)
+    near = k_pos[:, None, :] > q_pos[:, :, None] - window
+    return {"full_attention": additive(vis), "sliding_attention": additive(vis & near)}
 
 
 class HFEngine:
@@ -209,20 +243,12 @@ class HFEngine:
         return self.target.lm_head(h[:, 1:])
 
     def _mask(self, depths: Tensor, ancestors: Tensor) -> Any:
-        """Additive [1, 1, t, length + t]: the prefix plus the node's ancestors (and itself)."""
+        """[1, 1, t, length + t]: the prefix plus the node's ancestors (and itself)."""
         n, dev = self.length, self.target.device
         vis = torch.cat([torch.ones(len(depths), n, dtype=torch.bool), ancestors], dim=1).to(dev)
-        lowest = torch.finfo(self.target.dtype).min
-
-        def additive(v: Tensor) -> Tensor:
-            return torch.zeros(v.shape, dtype=self.target.dtype, device=dev).masked_fill(~v, lowest)[None, None]
-
-        if not self.sliding:
-            return additive(vis)
-        # Sliding layers also bound the prefix from below; masks per layer type (Qwen3-style models).
-        q_pos = (n + depths.to(dev))[:, None]
-        k_pos = torch.cat([torch.arange(n, device=dev), n + depths.to(dev)])[None]
-        return {"full_attention": additive(vis), "sliding_attention": additive(vis & (k_pos > q_pos - self.window))}
+        q_pos = n + depths.to(dev)
+        k_pos = torch.cat([torch.arange(n, device=dev), q_pos])
+        return attention_masks(vis[None], q_pos[None], k_pos[None], self.target.dtype, self.window if self.sliding else None)
 
     def verify(self, tokens: Tensor, depths: Tensor, ancestors: Tensor | None) -> Tensor:
         mask = None if ancestors is None else self._mask(depths, ancestors)
@@ -273,6 +299,16 @@ class Generation:
     def rounds(self) -> int:
         return len(self.accept_lengths)
 
+    def extend(self, new: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset[int]) -> list[int]:
+        """Append `new` up to the first stop token (included) or the token limit, setting
+        `finish_reason` when either is reached; returns what was appended."""
+        for i, t in enumerate(new):
+            if t in stop_ids or len(self.tokens) + i + 1 >= max_new_tokens:
+                new, self.finish_reason = new[:i + 1], "stop" if t in stop_ids else "length"
+                break
+        self.tokens += new
+        return new
+
     @property
     def tau(self) -> float:
         return sum(self.accept_lengths) / max(1, self.rounds)
@@ -306,6 +342,15 @@ class _Stages:
             self.t = now
 
 
+def check_request(method: str, max_new_tokens: int, drafter: DFlashDrafter | None) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if method != "ar" and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter; use method 'ar' without one")
+
+
 def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
     """Run `generate_stream` to the end; returns the finished `Generation`."""
     g = None
@@ -332,14 +377,9 @@ def generate_stream(
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
     `budget` nodes from the top-`top_k` tokens of each slot)."""
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    check_request(method, max_new_tokens, engine.drafter)
     if prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids: expected shape [1, T] (batch size 1), got {tuple(prompt_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if method != "ar" and engine.drafter is None:
-        raise ValueError(f"method {method!r} needs a drafter; use method 'ar' without one")
     sampling = sampling or Sampling()
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
     if method == "dflash":
@@ -349,21 +389,16 @@ def generate_stream(
     elif method == "ar":
         budget = 0
     dev = engine.target.device
-    gen = None
-    if sampling.temperature > 0:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+    gen = new_generator(sampling, dev)
     stages = _Stages(profile, dev)
     chain_depths = torch.arange(B, device=dev)
 
     t0 = time.perf_counter()
     logits = engine.prefill(prompt_ids.to(dev), capacity=prompt_ids.shape[1] + max_new_tokens + budget + 2 * B)
     bonus = target_tokens(logits, sampling, gen)  # [1], stays on the device
-    out = [int(bonus)]
-    res = Generation(out, [], "", prompt_ids.shape[1], time.perf_counter() - t0, 0.0)
+    res = Generation([], [], "", prompt_ids.shape[1], time.perf_counter() - t0, 0.0)
     t1 = time.perf_counter()
-    res.finish_reason = "stop" if out[0] in stop_ids else "length" if max_new_tokens == 1 else ""
-    yield list(out), res
+    yield res.extend([int(bonus)], max_new_tokens, stop_ids), res
     while not res.finish_reason:
         stages.start()
         if method == "dflash":  # the chain's tokens stay on the device: one host sync per round
@@ -385,19 +420,15 @@ def generate_stream(
         picked = target_tokens(logits, sampling, gen)  # [m+1]
         if method == "dflash":
             host = torch.cat([draft, picked]).tolist()
-            tree, picked_host = Tree.chain(host[:B - 1]), host[B - 1:]
+            a = accept_chain(host[:B - 1], host[B - 1:])
+            path, new = list(range(a + 1)), host[:a] + [host[B - 1 + a]]
         else:
-            picked_host = picked.tolist()
-        path, last = walk(tree, picked_host)
+            path, last = walk(tree, picked.tolist())
+            new = [tree.tokens[i - 1] for i in path[1:]] + [last]
         engine.commit(path)
         bonus = picked[path[-1]:path[-1] + 1]
-        new = [tree.tokens[i - 1] for i in path[1:]] + [last]
         stages.mark("commit")
-        for i, t in enumerate(new):  # cut at the first stop token or the token limit
-            if t in stop_ids or len(out) + i + 1 >= max_new_tokens:
-                new, res.finish_reason = new[:i + 1], "stop" if t in stop_ids else "length"
-                break
-        out += new
+        new = res.extend(new, max_new_tokens, stop_ids)
         res.accept_lengths.append(len(new))
         res.decode_seconds = time.perf_counter() - t1
         res.stage_seconds = dict(stages.seconds)
