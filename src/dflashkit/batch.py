@@ -15,7 +15,7 @@ prompt. The GPU `StaticEngine` stays batch 1.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dflashkit import masks as masks_mod
 from dflashkit.decode import Generation, HFEngine, Sampling, accept_chain, attention_masks, check_request, new_generator, \
-    target_tokens
+    target_tokens, usage_stats
 from dflashkit.drafter import DFlashDrafter, DrafterCache, block_token_ids
 from dflashkit.target import Target, _cache_layers, cache_length
 
@@ -156,11 +156,13 @@ def generate_batch_stream(
     method: str = "dflash",
     sampling: Sampling | Sequence[Sampling] | None = None,
     stop_ids: set[int] | frozenset[int] = frozenset(),
+    cancelled: Callable[[int], bool] = lambda i: False,
 ) -> Iterator[list[tuple[int, list[int], Generation]]]:
     """Decode every prompt to its first stop token (included) or its token limit. Yields, after
     the prefill and after each round, (prompt index, newly committed tokens, its running
     `Generation`) for each row that was still running. Per row the tokens, τ per round and
-    random draws equal `decode.generate` of that prompt alone (same seed)."""
+    random draws equal `decode.generate` of that prompt alone (same seed). A row for which
+    `cancelled(prompt index)` turns true leaves the batch before the next round, unfinished."""
     if method == "ddtree":
         raise ValueError("batched decoding supports 'ar' and 'dflash'; DDTree is batch 1 only (decode.generate per prompt)")
     if method not in BATCH_METHODS:
@@ -185,7 +187,7 @@ def generate_batch_stream(
     rows = list(range(len(prompts)))  # prompt index of each row of the running batch
     yield [(i, res[i].extend([t], limits[i], stop_ids), res[i]) for i, t in enumerate(bonus.tolist())]
     while True:
-        keep = [k for k, i in enumerate(rows) if not res[i].finish_reason]
+        keep = [k for k, i in enumerate(rows) if not res[i].finish_reason and not cancelled(i)]
         if not keep:
             break
         if len(keep) < len(rows):
@@ -220,3 +222,34 @@ def generate_batch(target: Target, drafter: DFlashDrafter | None, prompts: Seque
     for step in generate_batch_stream(target, drafter, prompts, **kw):
         out.update((i, g) for i, _, g in step)
     return [out[i] for i in range(len(prompts))]
+
+
+class BatchGenerator:
+    """The `serve.Generator` of `dflashkit serve --max-batch N` (N > 1): the worker hands it up to N
+    queued requests at once (`generate_batch`); each request keeps its own sampling parameters,
+    seed and token limit, and gets one chunk per round as its row advances."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None) -> None:
+        self.target, self.drafter = target, drafter
+        self.method = "dflash" if drafter is not None else "ar"
+
+    def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
+                       cancelled: Callable[[int], bool] = lambda i: False) -> Iterator[list[tuple[int, Any]]]:
+        """requests: (input ids, `serve.Generator.generate` keyword arguments); the stop ids are the
+        server's, the same for every request. Yields (request index, `GenerationChunk`) per round."""
+        from dflashkit.serve import GenerationChunk
+
+        params = [kw for _, kw in requests]
+        label = "dflash" if self.method == "dflash" else None
+        steps = generate_batch_stream(
+            self.target, self.drafter, [torch.tensor(ids) for ids, _ in requests], method=self.method,
+            max_new_tokens=[kw["max_new_tokens"] for kw in params],
+            sampling=[Sampling(kw["temperature"], kw["top_p"], kw["seed"]) for kw in params],
+            stop_ids=params[0]["stop_ids"], cancelled=cancelled)
+        for step in steps:
+            yield [(i, GenerationChunk(new, g.finish_reason, {**usage_stats(g, label), "batch_size": len(requests)})
+                    if g.finish_reason else GenerationChunk(new)) for i, new, g in step]
+
+    def generate(self, input_ids: list[int], **kw: Any) -> Iterator[Any]:
+        for step in self.generate_batch([(input_ids, kw)]):
+            yield step[0][1]

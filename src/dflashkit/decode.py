@@ -456,14 +456,16 @@ class SpeculativeGenerator:
         for new, g in generate_stream(self.engine, torch.tensor([input_ids]), max_new_tokens=max_new_tokens,
                                       method=self.method, budget=self.budget, top_k=self.top_k,
                                       sampling=Sampling(temperature, top_p, seed), stop_ids=stop_ids):
-            if not g.finish_reason:
-                yield GenerationChunk(new)
-                continue
-            yield GenerationChunk(new, g.finish_reason, {
-                "decoding": self.label, "rounds": g.rounds, "tau": round(g.tau, 4),
-                "accepted_draft_tokens": sum(g.accept_lengths) - g.rounds,
-                "time_to_first_token_s": round(g.prefill_seconds, 4),
-                "decode_tokens_per_s": round((len(g.tokens) - 1) / g.decode_seconds, 2) if g.decode_seconds > 0 else None})
+            yield GenerationChunk(new, g.finish_reason, usage_stats(g, self.label)) if g.finish_reason else GenerationChunk(new)
+
+
+def usage_stats(g: Generation, label: str | None) -> dict[str, Any]:
+    """What a finished request adds to the server's usage block; `label` (the decoding method)
+    adds the acceptance statistics of speculative decoding."""
+    spec = {} if label is None else {"decoding": label, "rounds": g.rounds, "tau": round(g.tau, 4),
+                                     "accepted_draft_tokens": sum(g.accept_lengths) - g.rounds}
+    return {**spec, "time_to_first_token_s": round(g.prefill_seconds, 4),
+            "decode_tokens_per_s": round((len(g.tokens) - 1) / g.decode_seconds, 2) if g.decode_seconds > 0 else None}
 
 
 # ---- `dflashkit generate` ---------------------------------------------------------------------

@@ -7,8 +7,10 @@ The server is a thin shell over a pluggable `Generator` (token ids in, chunks of
 stats dict at the end that is merged into the response's `usage` block). This module ships the
 plain autoregressive generator; a speculative one only has to implement `generate`.
 
-One worker thread owns the model and runs requests one at a time, in arrival order (`Engine`):
-concurrent requests queue instead of racing on the model and its KV cache.
+One worker thread owns the model and runs requests in arrival order (`Engine`): concurrent
+requests queue instead of racing on the model and its KV cache. With `--max-batch N` the worker
+takes up to N queued requests at once and decodes them as one batch (`batch.BatchGenerator`,
+AR or DFlash); requests arriving meanwhile wait for the next batch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,12 @@ class GenerationChunk:
 class Generator(Protocol):
     def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
                  stop_ids: set[int], seed: int | None) -> Iterator[GenerationChunk]: ...
+
+
+class BatchedGenerator(Generator, Protocol):
+    def generate_batch(self, requests: list[tuple[list[int], dict[str, Any]]],
+                       cancelled: Callable[[int], bool]) -> Iterator[list[tuple[int, GenerationChunk]]]:
+        """(input ids, `generate` keyword arguments) per request -> per round (request index, chunk)."""
 
 
 def sample_token(logits: Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
@@ -112,10 +120,15 @@ class _Job:
 
 
 class Engine:
-    """Runs generation requests in arrival order on a worker thread that owns the model."""
+    """Runs generation requests in arrival order on a worker thread that owns the model; with
+    `max_batch` > 1 (a `BatchedGenerator`), up to that many queued requests at once."""
 
-    def __init__(self, generator: Generator) -> None:
-        self.generator = generator
+    def __init__(self, generator: Generator, max_batch: int = 1) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batch > 1 and not hasattr(generator, "generate_batch"):
+            raise ValueError(f"{type(generator).__name__} decodes one request at a time; max_batch must be 1")
+        self.generator, self.max_batch = generator, max_batch
         self.jobs: queue.Queue[_Job] = queue.Queue()
         threading.Thread(target=self._work, name="dflashkit-engine", daemon=True).start()
 
@@ -126,19 +139,47 @@ class Engine:
 
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            try:
-                if not job.cancelled.is_set():
-                    with closing(self.generator.generate(job.input_ids, **job.params)) as chunks:
-                        for chunk in chunks:
-                            job.put(chunk)
-                            if job.cancelled.is_set():  # client gone, or a stop string was found
-                                break
-            except Exception as e:  # reported to the request, the server keeps serving
-                log.exception("generation failed")
-                job.put(e)
-            finally:
-                job.put(None)
+            jobs = [self.jobs.get()]
+            while len(jobs) < self.max_batch and not self.jobs.empty():
+                jobs.append(self.jobs.get())
+            if self.max_batch == 1:
+                self._run(jobs[0])
+            else:
+                self._run_batch(jobs)
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        for j in jobs:
+            if j.cancelled.is_set():  # gone while queued
+                j.put(None)
+        jobs = [j for j in jobs if not j.cancelled.is_set()]
+        try:
+            steps = self.generator.generate_batch([(j.input_ids, j.params) for j in jobs],
+                                                  cancelled=lambda i: jobs[i].cancelled.is_set())
+            with closing(steps):
+                for step in steps:
+                    for i, chunk in step:
+                        jobs[i].put(chunk)
+        except Exception as e:  # reported to every request of the batch, the server keeps serving
+            log.exception("batched generation failed")
+            for j in jobs:
+                j.put(e)
+        finally:
+            for j in jobs:
+                j.put(None)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            if not job.cancelled.is_set():
+                with closing(self.generator.generate(job.input_ids, **job.params)) as chunks:
+                    for chunk in chunks:
+                        job.put(chunk)
+                        if job.cancelled.is_set():  # client gone, or a stop string was found
+                            break
+        except Exception as e:  # reported to the request, the server keeps serving
+            log.exception("generation failed")
+            job.put(e)
+        finally:
+            job.put(None)
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -203,9 +244,11 @@ def _chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
 # ---- the app ------------------------------------------------------------------------------------
 
 
-def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0):
+def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0,
+              max_batch: int = 1):
     """The FastAPI app. `fail_every=N` answers every N-th generation request with HTTP 500: a
-    fault injector for testing clients' retries (`dflashkit serve --fail-every N`)."""
+    fault injector for testing clients' retries (`dflashkit serve --fail-every N`). `max_batch`:
+    requests decoded at once (needs a `BatchedGenerator` when > 1)."""
     try:
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
@@ -221,7 +264,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
     name = model_name or (Path(target.name).name if Path(target.name).exists() else target.name)
     stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 31)
-    engine = Engine(generator)
+    engine = Engine(generator, max_batch)
     counters = {"requests": 0, "injected_failures": 0}
     app = FastAPI(title="dflashkit", version="1")
 
@@ -396,6 +439,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", metavar="DIR", help="speculative decoding with this drafter (reference format); "
                    "acceptance statistics are added to each response's usage block")
     p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
+    p.add_argument("--max-batch", type=int, default=1, metavar="N",
+                   help="decode up to N queued requests as one batch (AR or DFlash, Transformers path; default 1: one "
+                        "at a time)")
     add_config_options(p)
 
 
@@ -410,7 +456,10 @@ def run(args: argparse.Namespace) -> int:
                          device=resolve_device(cfg.target.device))
     if args.ddtree_budget is not None and (not args.drafter or args.ddtree_budget < 1):
         raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
+    if args.max_batch < 1 or (args.max_batch > 1 and args.ddtree_budget is not None):
+        raise ValueError("--max-batch needs N >= 1, and DDTree (--ddtree-budget) decodes one request at a time")
     generator: Generator = AutoregressiveGenerator(target)
+    drafter = None
     if args.drafter:
         from dflashkit.checkpoint import load_drafter
         from dflashkit.decode import SpeculativeGenerator
@@ -418,7 +467,11 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
         generator = SpeculativeGenerator(target, drafter, method="ddtree" if args.ddtree_budget else "dflash",
                                          budget=args.ddtree_budget)
-    app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every)
+    if args.max_batch > 1:
+        from dflashkit.batch import BatchGenerator
+
+        generator = BatchGenerator(target, drafter)
+    app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch)
     # Bind first, then announce: with --port 0 the caller learns the port, and connections made
     # before uvicorn starts accepting wait in the backlog instead of being refused.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
