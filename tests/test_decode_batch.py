@@ -64,6 +64,59 @@ def test_ragged_batch_equals_batch_one_tiny(tiny_target):
         assert gens[2].finish_reason == "length" and len(gens[2].tokens) == 30
 
 
+def sliding_target():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflashkit.target import Target
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                      sliding_window=5, use_sliding_window=True, max_window_layers=0, initializer_range=0.3)
+    return Target(Qwen3ForCausalLM(cfg).float(), None)
+
+
+def test_batch_engine_rounds_equal_batch_one_sliding():
+    """Sliding layers in the target (window in the 4-D mask, by position) and in the drafter
+    (window in its ragged layout): prefill, draft and verify logits of every row equal the batch-1
+    engine's, also after a round that commits a different number of tokens per row."""
+    target = sliding_target()
+    drafter = make_tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    B = drafter.config.block_size
+    prompts = [torch.randint(3, 120, (n,)) for n in (12, 4, 9)]
+    batch, singles = BatchHFEngine(target, drafter), [HFEngine(target, drafter) for _ in prompts]
+    close = dict(atol=1e-5, rtol=1e-5)
+    logits = batch.prefill(prompts)
+    for i, (p, e) in enumerate(zip(prompts, singles)):
+        torch.testing.assert_close(logits[i:i + 1], e.prefill(p[None], capacity=64), **close)
+    bonus = logits.argmax(-1)
+    for counts in ([3, 1, 8], [2, 5, 1]):
+        drafts = batch.draft(bonus)
+        tokens = torch.cat([bonus[:, None], drafts.argmax(-1)], 1)  # [3, B]
+        verified = batch.verify(tokens)
+        for i, e in enumerate(singles):
+            torch.testing.assert_close(drafts[i:i + 1], e.draft(bonus[i:i + 1]), **close)
+            torch.testing.assert_close(verified[i:i + 1], e.verify(tokens[i:i + 1], torch.arange(B), None), **close)
+            e.commit(list(range(counts[i])))
+        batch.commit(torch.tensor(counts))
+        assert batch.lengths.tolist() == [e.length for e in singles]
+        bonus = torch.tensor([7, 8, 9])
+    batch.keep_rows(torch.tensor([2, 0]))
+    drafts = batch.draft(bonus[[2, 0]])
+    for row, i in enumerate((2, 0)):
+        torch.testing.assert_close(drafts[row:row + 1], singles[i].draft(bonus[i:i + 1]), **close)
+
+
+def test_ragged_batch_sliding_window_generation():
+    target = sliding_target()
+    drafter = make_tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    prompts = [torch.randint(3, 120, (n,)) for n in (12, 4, 9)]
+    for method in ("ar", "dflash"):
+        gens = generate_batch(target, drafter, prompts, method=method, max_new_tokens=24)
+        refs = one_by_one(target, drafter, prompts, method, max_new_tokens=24)
+        assert [g.tokens for g in gens] == [r.tokens for r in refs], method
+
+
 def test_ragged_multi_token_acceptance_tiny(tiny_target, monkeypatch):
     """Drafts right for the first n % B slots (n: the row's length), so rows accept different
     numbers of tokens in the same round: τ per row exactly as alone, tokens unchanged."""

@@ -83,6 +83,7 @@ class BatchHFEngine(HFEngine):
         def ctx_id(valid: Tensor) -> Tensor:
             return torch.where(valid, masks_mod.CTX, masks_mod.PAD)
 
+        # Padded new entries sit at positions >= start, which the rule hides anyway; stale cache slots do not.
         layout = masks_mod.Layout(
             q_anchor=start[:, None].expand(-1, cfg.block_size), q_block=torch.zeros_like(blk),
             k_pos=torch.cat([slots, ctx_pos, blk], 1),

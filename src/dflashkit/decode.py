@@ -26,7 +26,8 @@ the path), 1 <= τ <= B. The final round counts only tokens up to the stop token
 
 Engines hold the caches: `HFEngine` runs any Transformers model through its own forward with a
 cache we crop and compact ourselves (`target.py`); `static_engine.StaticEngine` is the fast path
-for Llama/Qwen-family targets (static KV caches, CUDA graphs).
+for Llama/Qwen-family targets (static KV caches, CUDA graphs). Both decode one sequence;
+`batch.py` decodes b prompts at once (AR and DFlash) on the Transformers path.
 """
 
 from __future__ import annotations
