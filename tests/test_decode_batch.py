@@ -23,7 +23,7 @@ def one_by_one(target, drafter, prompts, method, **kw):
 
 def test_pack_moves_each_rows_entries_to_its_length():
     x = torch.arange(2 * 7, dtype=torch.float).view(2, 1, 7, 1).clone()  # 5 held slots + 2 new per row
-    out = pack(x, 5, torch.tensor([3, 5]), torch.tensor([1, 2]))
+    out = pack(x, 5, torch.tensor([3, 5]), 7)  # row 0 keeps 1 new entry, row 1 both
     assert out.shape == (2, 1, 7, 1)
     assert out[0, 0, :4, 0].tolist() == [0, 1, 2, 5]  # row 0: its first new entry at slot 3
     assert out[1, 0, :, 0].tolist() == [7, 8, 9, 10, 11, 12, 13]  # the longest row stays in place

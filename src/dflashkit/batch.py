@@ -30,15 +30,16 @@ from dflashkit.target import Target, _cache_layers, cache_length
 BATCH_METHODS = ("ar", "dflash")
 
 
-def pack(x: Tensor, start: int, lengths: Tensor, counts: Tensor) -> Tensor:
+def pack(x: Tensor, start: int, lengths: Tensor, size: int) -> Tensor:
     """x [b, h, start + q, d]: row i's q entries appended at `start` move to lengths[i] + k, then
-    x is cut to max(lengths + counts) slots. Entries past counts[i] land beyond the row's new
-    length (garbage, masked); lengths[i] <= start keeps every destination inside x."""
+    x is cut to `size` slots (the longest row's new length, computed once by the caller: one host
+    sync per cache, not per layer). Entries past a row's accepted count land beyond its new length
+    (garbage, masked); lengths[i] <= start keeps every destination inside x."""
     b, h, _, d = x.shape
     new = x[:, :, start:].clone()  # [b, h, q, d]; a copy: sources and destinations overlap
     dest = lengths[:, None] + torch.arange(new.shape[2], device=x.device)  # [b, q]
     x.scatter_(2, dest[:, None, :, None].expand(b, h, -1, d), new)
-    return x[:, :, :int((lengths + counts).max())]
+    return x[:, :, :size]
 
 
 class BatchHFEngine(HFEngine):
@@ -53,7 +54,7 @@ class BatchHFEngine(HFEngine):
 
         dev = self.target.device
         lens = torch.tensor([len(p) for p in prompts], device=dev)
-        T = int(lens.max())
+        T = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), T, dtype=torch.long, device=dev)  # right padding: invalid keys
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = p.to(dev)
@@ -92,9 +93,10 @@ class BatchHFEngine(HFEngine):
         emb = self.target.embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
         lm = masks_mod.layer_masks(layout, cfg.layer_types, cfg.sliding_window)
         h = self.drafter(emb, self.pending, blk, ctx_pos, lm, self.dcache)
+        size = int(start.max())
         for i in range(len(self.dcache.keys)):
-            self.dcache.keys[i] = pack(self.dcache.keys[i], held, self.ctx_lengths, self.pending_counts)
-            self.dcache.values[i] = pack(self.dcache.values[i], held, self.ctx_lengths, self.pending_counts)
+            self.dcache.keys[i] = pack(self.dcache.keys[i], held, self.ctx_lengths, size)
+            self.dcache.values[i] = pack(self.dcache.values[i], held, self.ctx_lengths, size)
         self.ctx_lengths = start
         return self.target.lm_head(h[:, 1:])
 
@@ -114,9 +116,10 @@ class BatchHFEngine(HFEngine):
     def commit(self, counts: Tensor) -> None:
         """Keep the first counts[i] (>= 1) verified tokens of row i: the accepted chain."""
         held = cache_length(self.cache) - self.verified.shape[1]
+        size = int((self.lengths + counts).max())
         for layer in _cache_layers(self.cache):
-            layer.keys = pack(layer.keys, held, self.lengths, counts)
-            layer.values = pack(layer.values, held, self.lengths, counts)
+            layer.keys = pack(layer.keys, held, self.lengths, size)
+            layer.values = pack(layer.values, held, self.lengths, size)
         self.lengths = self.lengths + counts
         self.pending, self.pending_counts = self.verified, counts
 
