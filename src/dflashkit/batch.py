@@ -204,7 +204,7 @@ def generate_batch_stream(
             tokens = bonus[:, None]  # [b, 1]
         picked = row_tokens(engine.verify(tokens), [samplings[i] for i in rows], [gens[i] for i in rows])  # [b, q]
         q = tokens.shape[1]
-        host = torch.cat([tokens[:, 1:], picked], 1).tolist()  # one host sync per round
+        host = torch.cat([tokens[:, 1:], picked], 1).tolist()  # the tokens reach the host once per round
         accepted = [accept_chain(h[:q - 1], h[q - 1:]) for h in host]
         counts = torch.tensor(accepted, device=dev) + 1
         engine.commit(counts)
