@@ -270,8 +270,8 @@ class HFEngine:
 
 def make_engine(target: Target, drafter: DFlashDrafter | None, kind: str = "auto") -> Engine:
     """'hf'; 'static' (static KV caches, CUDA graphs on CUDA); or 'auto': on CUDA, for
-    Llama/Qwen-family targets, static + torch.compile (the fastest measured, docs/benchmarks.md),
-    else hf."""
+    Llama/Qwen-family targets, static + torch.compile + fused q/k/v and gate/up weights (the
+    fastest measured, docs/benchmarks.md), else hf."""
     from dflashkit import static_engine
 
     if kind not in ("auto", "hf", "static"):
