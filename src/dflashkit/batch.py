@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from dflashkit import masks as masks_mod
-from dflashkit.decode import Generation, HFEngine, Sampling, accept_chain, attention_masks, check_request, new_generator, \
-    target_tokens, usage_stats
+from dflashkit.decode import Generation, HFEngine, Sampling, Tree, attention_masks, check_request, new_generator, \
+    target_tokens, usage_stats, walk
 from dflashkit.drafter import DFlashDrafter, DrafterCache, block_token_ids
 from dflashkit.target import Target, _cache_layers, cache_length
 
@@ -205,13 +205,13 @@ def generate_batch_stream(
         picked = row_tokens(engine.verify(tokens), [samplings[i] for i in rows], [gens[i] for i in rows])  # [b, q]
         q = tokens.shape[1]
         host = torch.cat([tokens[:, 1:], picked], 1).tolist()  # the tokens reach the host once per round
-        accepted = [accept_chain(h[:q - 1], h[q - 1:]) for h in host]
-        counts = torch.tensor(accepted, device=dev) + 1
+        walks = [walk(Tree.chain(h[:q - 1]), h[q - 1:]) for h in host]  # (accepted path, target's token after it)
+        counts = torch.tensor([len(path) for path, _ in walks], device=dev)
         engine.commit(counts)
         bonus = picked.gather(1, counts[:, None] - 1)[:, 0]
         step = []
-        for i, h, a in zip(rows, host, accepted):
-            new = res[i].extend(h[:a] + [h[q - 1 + a]], limits[i], stop_ids)
+        for i, h, (path, last) in zip(rows, host, walks):
+            new = res[i].extend(h[:len(path) - 1] + [last], limits[i], stop_ids)
             res[i].accept_lengths.append(len(new))
             res[i].decode_seconds = time.perf_counter() - t1
             step.append((i, new, res[i]))

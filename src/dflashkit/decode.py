@@ -154,15 +154,6 @@ def walk(tree: Tree, tokens: list[int]) -> tuple[list[int], int]:
     return path, tokens[path[-1]]
 
 
-def accept_chain(draft: list[int], picked: list[int]) -> int:
-    """DFlash: how many leading draft tokens equal the target's token before them (`picked[k]`
-    is the target's token after draft[:k]); the chain case of `walk`, without building a tree."""
-    a = 0
-    while a < len(draft) and draft[a] == picked[a]:
-        a += 1
-    return a
-
-
 def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator | None:
     """The random stream of one sequence (None when greedy); an unset seed draws a fresh one."""
     if sampling.temperature == 0:
@@ -421,11 +412,11 @@ def generate_stream(
         picked = target_tokens(logits, sampling, gen)  # [m+1]
         if method == "dflash":
             host = torch.cat([draft, picked]).tolist()
-            a = accept_chain(host[:B - 1], host[B - 1:])
-            path, new = list(range(a + 1)), host[:a] + [host[B - 1 + a]]
+            tree, picked_host = Tree.chain(host[:B - 1]), host[B - 1:]
         else:
-            path, last = walk(tree, picked.tolist())
-            new = [tree.tokens[i - 1] for i in path[1:]] + [last]
+            picked_host = picked.tolist()
+        path, last = walk(tree, picked_host)
+        new = [tree.tokens[i - 1] for i in path[1:]] + [last]
         engine.commit(path)
         bonus = picked[path[-1]:path[-1] + 1]
         stages.mark("commit")
