@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random target for plumbing, the real SmolLM2 testbed for behaviour."""
+"""Shared fixtures: a tiny random target for plumbing, the real SmolLM2 and Gemma 3 testbeds for behaviour."""
 
 from __future__ import annotations
 
@@ -37,3 +37,10 @@ def smollm2() -> Target:
     from dflashkit.target import load_target
 
     return load_target()
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Target:
+    from dflashkit.target import load_target
+
+    return load_target("gemma3")

@@ -189,17 +189,17 @@ def load_target(
     local_files_only: bool | None = None,
     weights: bool = True,
 ) -> Target:
-    """Load a target: a local directory, a hub id (only when online), a `.gguf` file, or, with
-    no name, the embedded default (SmolLM2-135M-Instruct, see `testbed.py`).
+    """Load a target: a local directory, a hub id (only when online), a `.gguf` file, a testbed
+    name ("smollm2", "gemma3", see `testbed.py`), or, with no name, the embedded default
+    (SmolLM2-135M-Instruct).
 
     `weights=False`: config, tokenizer and generation config only, the model built on the meta
     device (shape and token facts for `doctor`, without reading the weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
-        from dflashkit.testbed import smollm2_dir
+    from dflashkit.testbed import resolve
 
-        name_or_path = smollm2_dir()
+    name_or_path = resolve(name_or_path)
     path = Path(str(name_or_path)).expanduser()
     if path.suffix == ".gguf" and gguf_file is None:
         if not path.is_file():

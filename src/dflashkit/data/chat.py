@@ -54,10 +54,9 @@ def load_tokenizer(name_or_path: str | Path | None = None, gguf_file: str | None
     """The target's tokenizer alone (same path rules as `target.load_target`)."""
     from transformers import AutoTokenizer
 
-    if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
-        from dflashkit.testbed import smollm2_dir
+    from dflashkit.testbed import resolve
 
-        name_or_path = smollm2_dir()
+    name_or_path = resolve(name_or_path)
     path = Path(str(name_or_path)).expanduser()
     if path.suffix == ".gguf" and gguf_file is None:
         path, gguf_file = path.parent, path.name

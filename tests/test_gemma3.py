@@ -1,0 +1,61 @@
+"""The Gemma 3 270M testbed: sliding-window and full-attention layers, a 262,144-token vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_target import _taps_equal_hidden_states
+
+pytestmark = pytest.mark.slow
+
+
+def test_cached_as_safetensors_with_sliding_and_full_layers(gemma3):
+    from dflashkit.testbed import gemma3_dir
+
+    d = gemma3_dir()
+    assert (d / "model.safetensors").is_file() and (d / "generation_config.json").is_file()
+    assert "quantization_config" not in gemma3.model.config.to_dict()
+    cfg = gemma3.config
+    assert cfg.model_type == "gemma3_text"
+    assert gemma3.vocab_size == 262_144 == len(gemma3.tokenizer)
+    assert gemma3.num_layers == 18 and gemma3.hidden_size == 640
+    assert cfg.sliding_window == 512
+    assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    tok = gemma3.tokenizer
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<bos>", "<eos>", "<pad>")
+    assert gemma3.model.generation_config.eos_token_id == tok.eos_token_id
+
+
+def test_greedy_code_completion(gemma3):
+    tok = gemma3.tokenizer
+    ids = tok("def add(a, b):\n    return", return_tensors="pt").input_ids
+    assert ids[0, 0] == tok.bos_token_id  # Gemma expects <bos> first
+    out = gemma3.model.generate(ids, max_new_tokens=6, do_sample=False)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text.startswith(" a + b"), text
+
+
+def test_taps_equal_hidden_states(gemma3):
+    ids = gemma3.tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    _taps_equal_hidden_states(gemma3, ids)
+
+
+def test_sliding_window_is_the_last_512_positions(gemma3):
+    """A sliding layer's output at position t depends on positions t-511..t only; a full layer's
+    on all of them (the taps see the model's real masking, boundary included)."""
+    cfg = gemma3.config
+    sliding, full = 0, 5
+    assert cfg.layer_types[sliding] == "sliding_attention" and cfg.layer_types[full] == "full_attention"
+    w = cfg.sliding_window
+    torch.manual_seed(0)
+    ids = torch.randint(1000, 200_000, (1, w + 2)).repeat(3, 1)
+    t = ids.shape[1] - 1
+    ids[1, t - w] += 1  # row 1: one token changed just outside the last position's window
+    ids[2, t - w + 1] += 1  # row 2: at the window's first position
+    f = gemma3.forward(ids, [sliding, full], logits=False).features[:, -1]
+    H = gemma3.hidden_size
+    s, full_out = f[:, :H], f[:, H:]
+    torch.testing.assert_close(s[1], s[0], atol=0, rtol=0)
+    assert not torch.allclose(full_out[1], full_out[0])
+    assert not torch.allclose(s[2], s[0])
