@@ -9,8 +9,11 @@ import zipfile
 import pytest
 import torch
 
+from datahelpers import one_thread  # noqa: F401
 from dflashkit import testbed
 from test_target import _taps_equal_hidden_states
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # 2 threads run several times slower on the busy 2-core machine
 
 # ---- joining a GGUF file split over packages (fake packages, no model) ------------------------
 
@@ -129,3 +132,23 @@ def test_sliding_window_is_the_last_512_positions(gemma3):
     torch.testing.assert_close(s[1], s[0], atol=0, rtol=0)
     assert not torch.allclose(full_out[1], full_out[0])
     assert not torch.allclose(s[2], s[0])
+
+
+@pytest.mark.slow
+def test_dflash_greedy_identical_across_the_window(gemma3):
+    """An (untrained) drafter's DFlash rounds on a prompt that the window boundary cuts through
+    give exactly the target's own greedy tokens: the engine's masks and cache handling hold for
+    sliding layers."""
+    from dflashkit.decode import HFEngine, generate
+    from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+    from dflashkit.vocab import default_mask_token_id
+    from test_decode import greedy_reference
+
+    n_new, w = 8, gemma3.config.sliding_window
+    torch.manual_seed(0)
+    ids = torch.cat([torch.tensor([[gemma3.tokenizer.bos_token_id]]), torch.randint(1000, 200_000, (1, w - 5))], dim=1)
+    mask = default_mask_token_id(gemma3.tokenizer, gemma3.vocab_size, gemma3.model.generation_config)
+    drafter = DFlashDrafter(drafter_config_for_target(gemma3.config, mask, num_layers=1)).float()
+    g = generate(HFEngine(gemma3, drafter), ids, max_new_tokens=n_new, method="dflash")
+    assert ids.shape[1] < w < ids.shape[1] + n_new
+    assert g.tokens == greedy_reference(gemma3, ids, n_new)
