@@ -1,4 +1,4 @@
-"""Speculative decoding speed per round at real shapes, random weights, batch 1.
+"""Speculative decoding speed per round at real shapes, random weights.
 
 Target: Qwen3-8B-shaped (36 layers, hidden 4096, intermediate 12288, 32/8 heads, head dim 128,
 vocab 151936, bf16); drafter: 5 layers, taps [1, 9, 17, 25, 33], block 16. With random weights
@@ -6,12 +6,18 @@ nothing is accepted (τ = 1), so every round does the full work of its shape: th
 milliseconds per round and per stage (draft, tree build, verify, commit), for plain
 autoregressive steps, DFlash (one chain of 15) and DDTree at several node budgets.
 
-The floor is reading target + drafter weights once over the measured copy bandwidth. Engines:
-`hf` (the target's own Transformers forward, dynamic cache, eager launches), `static` (static
-KV caches, eager), `graphs` (static + CUDA graphs), `compiled` (graphs + torch.compile of the
-per-layer functions), `fused` (compiled, with q/k/v and gate/up weights concatenated: what `make_engine`'s
-'auto' gives on CUDA). Stage times synchronise the GPU at each stage boundary; "round" is the
-same loop without those extra synchronisations.
+The floor is reading target + drafter weights once over the measured copy bandwidth. Engines
+(one `Engine`, different runners of the target's layers): `hf` (the target's own Transformers
+forward, eager launches), `static` (own layers, eager), `graphs` (static + CUDA graphs),
+`compiled` (graphs + torch.compile of the per-layer functions), `fused` (compiled, with q/k/v and
+gate/up weights concatenated: what `make_engine`'s 'auto' gives on CUDA). Stage times
+synchronise the GPU at each stage boundary; "round" is the same loop without those extra
+synchronisations.
+
+Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused` engine at
+each batch size, at τ = 1 (random drafts) and with an oracle drafter that proposes the
+target's own greedy continuation (τ = B); `--long 16384` times a round after a prompt of that
+many tokens against the `--prompt-len` one, with the peak memory of each prefill.
 
     python benchmarks/bench_decode.py --json out.json        # GPU
     python benchmarks/bench_decode.py --tiny                 # CPU smoke test of the same code
@@ -27,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.decode import HFEngine, generate
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.loop import generate, generate_batch
+from dflashkit.decode.static import static_engine
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
-from dflashkit.static_engine import StaticEngine
 from dflashkit.target import Target
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -101,29 +108,101 @@ def engines(device: torch.device, compile_ok: bool) -> dict:
     """The fast engines first, so that a time limit only cuts the baselines."""
     out = {}
     if device.type == "cuda":
-        out["graphs"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, fuse=False)
+        out["graphs"] = lambda t, d: static_engine(t, d, cuda_graphs=True, fuse=False)
         if compile_ok:
-            out["compiled"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True, fuse=False)
-            out["fused"] = lambda t, d: StaticEngine(t, d, cuda_graphs=True, compile=True, fuse=True)
-    out["hf"] = HFEngine
-    out["static"] = lambda t, d: StaticEngine(t, d, cuda_graphs=False, fuse=False)
+            out["compiled"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=False)
+            out["fused"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True)
+    out["hf"] = Engine
+    out["static"] = lambda t, d: static_engine(t, d, cuda_graphs=False, fuse=False)
     return out
 
 
-def compaction_ms(engine: StaticEngine, nodes: int = 8, reps: int = 20) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compaction_ms(engine: Engine, nodes: int = 8, reps: int = 20) -> float:
     """One tree commit that moves `nodes` non-contiguous accepted nodes together (random weights
     accept nothing, so the measured rounds never pay it)."""
-    path = [0] + [2 * i + 1 for i in range(1, nodes)]
-    n = engine.length - 2 * nodes - 2  # stay inside the written region; the values do not matter
-    keep = torch.tensor(path, device=engine.k.device)
-    sync = torch.cuda.synchronize if engine.k.is_cuda else (lambda: None)
-    sync()
+    cache = engine.cache
+    path = [[0] + [2 * i + 1 for i in range(1, nodes)]]
+    lengths, lengths_t = cache.lengths, cache.lengths_t
+    sync(lengths_t.device)
     t = time.perf_counter()
     for _ in range(reps):
-        engine.k[:, :, :, n:n + nodes] = engine.k[:, :, :, n + keep]
-        engine.v[:, :, :, n:n + nodes] = engine.v[:, :, :, n + keep]
-    sync()
+        cache.lengths, cache.lengths_t = [lengths[0] - 2 * nodes - 2], lengths_t - 2 * nodes - 2  # inside the written region
+        cache.commit(path)
+    sync(lengths_t.device)
+    cache.lengths, cache.lengths_t = lengths, lengths_t
     return 1e3 * (time.perf_counter() - t) / reps
+
+
+class OracleDraft:
+    """The engine with its drafter's proposals replaced by the target's own greedy continuation
+    `seq` (the real drafter still runs): every draft is accepted, τ = B."""
+
+    def __init__(self, engine: Engine, seq: torch.Tensor) -> None:
+        self.engine, self.seq = engine, seq  # seq [T + n]
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def draft(self, bonus: torch.Tensor) -> torch.Tensor:
+        real = self.engine.draft(bonus)  # [b, B-1, V]
+        n = self.engine.lengths[0]
+        want = self.seq[n + 1:n + real.shape[1] + 1]
+        want = torch.cat([want, want.new_zeros(real.shape[1] - len(want))])
+        return torch.nn.functional.one_hot(want, real.shape[-1]).to(real.dtype)[None].expand(real.shape[0], -1, -1)
+
+
+def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
+               device: torch.device) -> dict:
+    """DFlash rounds of the fused engine (graphs elsewhere off) at each batch size, τ = 1 and oracle."""
+    make = engines(device, compile_ok=True).get("fused") or engines(device, compile_ok=False)["static"]
+    out: dict = {}
+    seq = torch.cat([ids[0], torch.tensor(generate(make(target, None), ids, max_new_tokens=new_tokens + 32,
+                                                   method="ar").tokens, device=device)])
+    for b in batches:
+        for kind in ("tau1", "oracle"):
+            eng = make(target, drafter)
+            if kind == "oracle":
+                eng = OracleDraft(eng, seq)
+            prompts = [ids[0]] * b
+            generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")  # capture graphs / compile
+            sync(device)
+            gens = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")
+            g = gens[0]
+            r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
+                 "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds}
+            out[f"b{b}-{kind}"] = r
+            print(f"batch {b:3d} dflash {kind:6s} round {r['round_ms']:7.2f} ms  tau {r['tau']:5.2f}  "
+                  f"{r['tokens_per_s']:9.1f} tokens/s", flush=True)
+            del eng
+    return out
+
+
+def long_context(target: Target, drafter: DFlashDrafter, lengths: list[int], new_tokens: int, device: torch.device) -> dict:
+    """A DFlash round and the prefill's peak memory after prompts of each length (fused engine)."""
+    make = engines(device, compile_ok=True).get("fused") or engines(device, compile_ok=False)["static"]
+    out: dict = {}
+    for T in lengths:
+        ids = torch.randint(0, target.vocab_size - 2, (1, T), device=device)
+        eng = make(target, drafter)
+        generate(eng, ids[:, :64], max_new_tokens=8, method="dflash")  # warm-up outside the measured prefill
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        g = generate(eng, ids, max_new_tokens=new_tokens, method="dflash")
+        r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "prefill_s": g.prefill_seconds}
+        if device.type == "cuda":
+            r["prefill_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        out[f"prompt{T}"] = r
+        print(f"prompt {T:6d}: round {r['round_ms']:.2f} ms, prefill {r['prefill_s']:.2f} s"
+              + (f", peak extra {r['prefill_peak_extra_gib']:.2f} GiB" if "prefill_peak_extra_gib" in r else ""), flush=True)
+        del eng
+    return out
 
 
 def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int) -> dict:
@@ -146,6 +225,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per measured generation (rounds, at τ=1)")
     ap.add_argument("--hf-new-tokens", type=int, default=12, help="fewer for the slow Transformers engine")
     ap.add_argument("--time-limit", type=float, default=480, help="seconds; later engines are skipped past it")
+    ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
+    ap.add_argument("--long", type=int, default=0, help="also time a round after a prompt of this many tokens")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -199,7 +280,7 @@ def main() -> int:
                 r["tree_share"] = s.get("tree", 0.0) / r["staged_round_ms"]
                 print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
-            if isinstance(eng, StaticEngine) and budget == budgets[-1] and "error" not in r:
+            if name != "hf" and budget == budgets[-1] and "error" not in r:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)
                 print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
             res["results"].setdefault(name, {})[label] = r
@@ -216,6 +297,11 @@ def main() -> int:
             xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else "-"
             print(f"{name:9s} {label:10s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
                   f"{s.get('verify', 0):7.2f} {s.get('commit', 0):7.2f} {100 * r['tree_share']:6.1f}%")
+    if args.batches:
+        res["batched"] = batch_rows(target, drafter, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, device)
+        save()
+    if args.long:
+        res["long_context"] = long_context(target, drafter, [args.prompt_len, args.long], args.new_tokens, device)
     res["wall_s"] = time.perf_counter() - t_start
     save()
     return 0

@@ -13,14 +13,20 @@ from safetensors.torch import save_file
 
 from conftest import make_tiny_drafter, make_tiny_target
 from datahelpers import live_server, one_thread  # noqa: F401
-from dflashkit import decode as decode_mod
 from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import HFEngine, Sampling, Tree, build_tree, chat_ids, generate, generate_stream, target_tokens, walk
-from dflashkit.drafter import DFlashDrafter, draft_block, drafter_config_for_target
-from dflashkit.static_engine import StaticEngine
+from dflashkit.decode import loop as loop_mod
+from dflashkit.decode.command import chat_ids
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.generation import Sampling, target_tokens
+from dflashkit.decode.loop import decode_stream, generate, generate_batch
+from dflashkit.decode.static import static_engine
+from dflashkit.decode.tree import Tree, build_tree, walk
+from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
-ENGINES = {"hf": HFEngine, "static": StaticEngine, "fused": lambda t, d=None: StaticEngine(t, d, fuse=True)}
+ENGINES = {"hf": Engine, "static": lambda t, d=None: static_engine(t, d, fuse=False),
+           "fused": lambda t, d=None: static_engine(t, d, fuse=True)}
+METHODS = [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # 2 threads run 3-20x slower on the busy 2-core machine
@@ -34,18 +40,27 @@ def greedy_reference(target: Target, ids: torch.Tensor, n: int) -> list[int]:
 
 
 class Oracle:
-    """An engine whose drafter proposals are replaced by `propose(length) -> logits [1, B-1, V]`
-    (the real drafter still runs, so its cache stays in step with the target's)."""
+    """An engine whose drafter proposals are replaced, for the row of prompt i, by
+    `proposers[i](length) -> logits [1, B-1, V]` (the real drafter still runs, so its cache
+    stays in step with the target's)."""
 
-    def __init__(self, engine, propose):
-        self.engine, self.propose = engine, propose
+    def __init__(self, engine, *proposers):
+        self.engine, self.proposers, self.rows = engine, proposers, []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def prefill(self, prompts, capacity):
+        self.rows = list(range(len(prompts)))
+        return self.engine.prefill(prompts, capacity)
+
+    def keep_rows(self, rows):
+        self.rows = [self.rows[r] for r in rows]
+        self.engine.keep_rows(rows)
+
     def draft(self, bonus):
         real = self.engine.draft(bonus)
-        return self.propose(self.engine.length).to(real)
+        return torch.cat([self.proposers[r](n) for r, n in zip(self.rows, self.engine.lengths)]).to(real)
 
 
 def oracle_proposals(seq: list[int], V: int, B: int, ranks: int):
@@ -103,7 +118,7 @@ def test_build_tree_is_best_first():
     assert tree.depths == [len(prefix(i)) for i in range(1, budget + 1)]
     # top-1 with budget B-1 is the DFlash chain of argmax tokens
     chain = build_tree(lp[:, :1], ids[:, :1], slots)
-    assert chain.is_chain() and chain.tokens == ids[:, 0].tolist()
+    assert chain == Tree.chain(ids[:, 0].tolist())
 
 
 def test_ancestors_and_walk():
@@ -124,107 +139,151 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert draws == {0, 1}
 
 
-# ---- greedy identity, tiny targets (both engines, every method) --------------------------------
+# ---- greedy identity, tiny targets (every engine, every method, batch 1 and ragged) ------------
+
+
+def ragged_prompts(seed: int, lengths=(20, 7, 33, 12)) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    return [torch.randint(3, 120, (1, n)) for n in lengths]
 
 
 @pytest.mark.parametrize("engine", ["hf", "static", "fused"])
 def test_greedy_identical_tiny(tiny_target, engine):
     drafter = make_tiny_drafter(tiny_target)
-    torch.manual_seed(1)
-    ids = torch.randint(3, 120, (1, 20))
-    ref = greedy_reference(tiny_target, ids, 40)
-    for method, budget in [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]:
-        eng = ENGINES[engine](tiny_target, drafter if method != "ar" else None)
-        g = generate(eng, ids, max_new_tokens=40, method=method, budget=budget)
-        assert g.tokens == ref, (method, budget)
-        assert g.finish_reason == "length" and 1 + sum(g.accept_lengths) == 40
+    prompts = ragged_prompts(1)
+    refs = [greedy_reference(tiny_target, p, 30) for p in prompts]
+    for method, budget in METHODS:
+        make = lambda: ENGINES[engine](tiny_target, drafter if method != "ar" else None)  # noqa: E731
+        g = generate(make(), prompts[0], max_new_tokens=30, method=method, budget=budget)
+        assert g.tokens == refs[0], (method, budget)
+        assert g.finish_reason == "length" and 1 + sum(g.accept_lengths) == 30
+        for i, g in enumerate(generate_batch(make(), prompts, max_new_tokens=30, method=method, budget=budget)):
+            assert g.tokens == refs[i], (method, budget, i)
 
 
-def test_hf_engine_sliding_window_target():
-    """Sliding layers: full-length cache layers (rollback by position) + the window in the mask."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def sliding_targets() -> dict[str, Target]:
+    """Sliding windows named per layer (Qwen3 `layer_types`) and a window without layer types
+    (Mistral-7B-v0.1 / Phi-3-mini-4k style: every layer slides)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention", "full_attention"] * 2,
-                      sliding_window=5, use_sliding_window=True, max_window_layers=0, initializer_range=0.3)
-    target = Target(Qwen3ForCausalLM(cfg).float(), None)
+    small = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, initializer_range=0.3)
+    qwen = Qwen3Config(**small, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=5,
+                       use_sliding_window=True, max_window_layers=0)
+    mistral = MistralConfig(**small, sliding_window=6)
+    return {"layer_types": Target(Qwen3ForCausalLM(qwen).float(), None),
+            "window_only": Target(MistralForCausalLM(mistral).float(), None)}
+
+
+@pytest.mark.parametrize("kind", ["layer_types", "window_only"])
+def test_sliding_window_targets(kind):
+    """Past the window, rolled-back drafts must not linger in any layer: batch 1 and ragged."""
+    target = sliding_targets()[kind]
+    assert set(target.layer_kinds) == ({"sliding_attention", "full_attention"} if kind == "layer_types" else {"sliding_attention"})
     drafter = make_tiny_drafter(target)
-    ids = torch.randint(3, 120, (1, 12))
-    ref = greedy_reference(target, ids, 30)
+    prompts = ragged_prompts(2, (12, 5, 9))
+    refs = [greedy_reference(target, p, 30) for p in prompts]
     for method, budget in [("dflash", None), ("ddtree", 20)]:
-        assert generate(HFEngine(target, drafter), ids, max_new_tokens=30, method=method, budget=budget).tokens == ref
+        assert generate(Engine(target, drafter), prompts[0], max_new_tokens=30, method=method, budget=budget).tokens == refs[0]
+        gens = generate_batch(Engine(target, drafter), prompts, max_new_tokens=30, method=method, budget=budget)
+        assert [g.tokens for g in gens] == refs, method
 
 
-def test_static_engine_matches_draft_block_and_target(tiny_target):
-    """One round by hand: the static engine's drafter step equals `draft_block` (the
-    parity-tested inference path), its tree verification equals the target's own forward with a
-    4-D mask, and after compaction to a non-contiguous path both agree again."""
+def test_static_and_hf_runners_agree_on_a_tree_round(tiny_target):
+    """One round by hand, ragged rows with different trees: the static runner's drafter step
+    and tree verification equal the Transformers runner's, and after committing non-contiguous
+    paths both agree again."""
     drafter = make_tiny_drafter(tiny_target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    torch.manual_seed(2)
-    ids = torch.randint(3, 120, (1, 30))
-    st, hf = StaticEngine(tiny_target, drafter), HFEngine(tiny_target, drafter)
+    prompts = [p[0] for p in ragged_prompts(2, (25, 14))]
+    st, hf = ENGINES["static"](tiny_target, drafter), Engine(tiny_target, drafter)
     for eng in (st, hf):
-        eng.prefill(ids[:, :25], capacity=80)
-    torch.testing.assert_close(st.draft(ids[:, 25]), hf.draft(ids[:, 25]), atol=1e-5, rtol=1e-5)
-    tree = build_tree(*torch.log_softmax(torch.randn(7, 128), -1).topk(3, dim=-1), budget=12)
-    tokens, depths = torch.tensor([[ids[0, 25].item(), *tree.tokens]]), torch.tensor([0, *tree.depths])
-    torch.testing.assert_close(st.verify(tokens, depths, tree.ancestors()), hf.verify(tokens, depths, tree.ancestors()),
-                               atol=1e-5, rtol=1e-5)
-    kids = tree.children()
-    second = list(kids[0].values())[1]
-    path = [0, second, *list(kids[second].values())[:1]]
-    assert path != list(range(len(path)))
+        eng.prefill(prompts, capacity=80)
+    bonus = torch.tensor([5, 9])
+    torch.testing.assert_close(st.draft(bonus), hf.draft(bonus), atol=1e-5, rtol=1e-5)
+    trees = [build_tree(*torch.log_softmax(torch.randn(7, 128), -1).topk(3, dim=-1), budget=n) for n in (12, 8)]
+    q = 13
+    tokens = torch.tensor([[5, *t.tokens] + [0] * (q - 1 - len(t)) for t in trees])
+    depths = torch.tensor([[0, *t.depths] + [0] * (q - 1 - len(t)) for t in trees])
+    anc = torch.stack([t.ancestors(q) for t in trees])
+    torch.testing.assert_close(st.verify(tokens, depths, anc), hf.verify(tokens, depths, anc), atol=1e-5, rtol=1e-5)
+    paths = []
+    for t in trees:
+        kids = t.children()
+        second = list(kids[0].values())[1]
+        paths.append([0, second, *list(kids[second].values())[:1]])
     for eng in (st, hf):
-        eng.commit(path)
-    bonus = torch.tensor([7])
-    d_st = st.draft(bonus)
-    torch.testing.assert_close(d_st, hf.draft(bonus), atol=1e-5, rtol=1e-5)
-    feats = torch.cat([tiny_target.forward(ids[:, :25], drafter.config.target_layer_ids).features, hf.pending], dim=1)
-    h = draft_block(drafter, tiny_target.embed, drafter.new_cache(), feats, bonus)
-    torch.testing.assert_close(tiny_target.lm_head(h[:, 1:]), d_st, atol=1e-4, rtol=1e-4)
-    # the compacted target cache equals a cache that saw only the accepted tokens
-    committed = torch.cat([ids[:, :26], tokens[:, path[1:]]], dim=1)
-    ref_logits = tiny_target.forward(torch.cat([committed, bonus[None]], 1), drafter.config.target_layer_ids).logits[:, -1]
-    torch.testing.assert_close(st.verify(bonus[None], torch.zeros(1, dtype=torch.long), None)[:, 0], ref_logits, atol=1e-4, rtol=1e-4)
+        eng.commit(paths)
+    torch.testing.assert_close(st.draft(bonus), hf.draft(bonus), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_multi_token_acceptance_commits_correctly_tiny(tiny_target, engine, method):
     """Drafts that are right for the first j slots: τ must be exactly j+1 (DDTree: the right token
-    is the runner-up, so the path runs through non-contiguous nodes) and the output unchanged."""
+    is the runner-up, so the path runs through non-contiguous nodes) and the output unchanged,
+    for each row of a ragged batch."""
     drafter = make_tiny_drafter(tiny_target)
     B, V, max_new = drafter.config.block_size, tiny_target.vocab_size, 40
-    torch.manual_seed(3)
-    ids = torch.randint(3, 120, (1, 17))
-    seq = ids[0].tolist() + greedy_reference(tiny_target, ids, max_new + B)
+    prompts = ragged_prompts(3, (17, 9, 22))
+    seqs = [p[0].tolist() + greedy_reference(tiny_target, p, max_new + B) for p in prompts]
     ranks, budget, cap = (1, None, B - 1) if method == "dflash" else (2, 30, 4)  # 30 nodes = full binary tree to depth 4
-    eng = Oracle(ENGINES[engine](tiny_target, drafter), oracle_proposals(seq, V, B, ranks))
-    g = generate(eng, ids, max_new_tokens=max_new, method=method, budget=budget, top_k=2)
-    assert g.tokens == seq[17:17 + max_new]
-    assert g.accept_lengths == expected_taus(17, max_new, B, cap)
-    assert max(g.accept_lengths) > 3
+    eng = Oracle(ENGINES[engine](tiny_target, drafter), *[oracle_proposals(s, V, B, ranks) for s in seqs])
+    gens = generate_batch(eng, prompts, max_new_tokens=max_new, method=method, budget=budget, top_k=2)
+    for p, s, g in zip(prompts, seqs, gens):
+        T = p.shape[1]
+        assert g.tokens == s[T:T + max_new]
+        assert g.accept_lengths == expected_taus(T, max_new, B, cap)
+        assert max(g.accept_lengths) > 3
 
 
-def test_stop_token_and_final_round_clipping(tiny_target):
+def test_stop_token_limits_and_streaming(tiny_target):
+    """Ragged rows with per-row limits (one of 1) and a stop token that ends a row early: every
+    row equals its batch-1 generation, the final round counts only tokens up to the stop, and
+    the stream yields exactly the rows still running."""
     drafter = make_tiny_drafter(tiny_target)
     B, V = drafter.config.block_size, tiny_target.vocab_size
-    torch.manual_seed(4)
-    ids = torch.randint(3, 120, (1, 16))
-    ref = greedy_reference(tiny_target, ids, 40)
+    prompts = ragged_prompts(4, (16, 7, 20))
+    ref = greedy_reference(tiny_target, prompts[0], 40)
     stop = ref[9]
     first = ref.index(stop)
-    eng = Oracle(HFEngine(tiny_target, drafter), oracle_proposals(ids[0].tolist() + ref, V, B, 1))
-    streamed: list[int] = []
-    for new, g in generate_stream(eng, ids, max_new_tokens=40, method="dflash", stop_ids={stop}):
-        streamed += new
-    assert g.finish_reason == "stop" and g.tokens == ref[:first + 1] == streamed
-    assert 1 + sum(g.accept_lengths) == len(g.tokens)  # the last round counts only tokens up to the stop
+    seqs = [p[0].tolist() + greedy_reference(tiny_target, p, 60) for p in prompts]
+    limits = [40, 1, 25]
+    eng = Oracle(Engine(tiny_target, drafter), *[oracle_proposals(s, V, B, 1) for s in seqs])
+    seen: dict[int, list[int]] = {i: [] for i in range(3)}
+    done: set[int] = set()
+    for step in decode_stream(eng, prompts, max_new_tokens=limits, method="dflash", stop_ids={stop}):
+        assert not done & {i for i, _, _ in step}, "a finished row was stepped again"
+        for i, new, g in step:
+            seen[i] += new
+            assert g.tokens == seen[i]
+            done |= {i} if g.finish_reason else set()
+    assert done == {0, 1, 2}
+    gens = generate_batch(Engine(tiny_target, drafter), prompts, max_new_tokens=limits, method="dflash", stop_ids={stop})
+    assert gens[0].finish_reason == "stop" and gens[0].tokens == ref[:first + 1] == seen[0]
+    assert gens[1].tokens == seqs[1][7:8] and gens[1].finish_reason == "length"
+    for i, g in enumerate(gens):
+        alone = generate(Engine(tiny_target, drafter), prompts[i], max_new_tokens=limits[i], method="dflash", stop_ids={stop})
+        assert g.tokens == alone.tokens == seen[i]
+        assert 1 + sum(g.accept_lengths) == len(g.tokens)  # the last round counts only what it kept
+
+
+def test_request_errors(tiny_target):
+    drafter = make_tiny_drafter(tiny_target)
+    ids = torch.randint(3, 120, (1, 8))
     with pytest.raises(ValueError, match="needs a drafter"):
-        generate(HFEngine(tiny_target), ids, max_new_tokens=4, method="dflash")
-    with pytest.raises(ValueError, match="batch size 1"):
-        generate(HFEngine(tiny_target, drafter), ids.repeat(2, 1), max_new_tokens=4)
+        generate(Engine(tiny_target), ids, max_new_tokens=4, method="dflash")
+    with pytest.raises(ValueError, match="generate_batch"):
+        generate(Engine(tiny_target, drafter), ids.repeat(2, 1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="node budget"):
+        generate(Engine(tiny_target, drafter), ids, max_new_tokens=4, method="ddtree")
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate_batch(Engine(tiny_target, drafter), [ids, torch.tensor([], dtype=torch.long)], max_new_tokens=4)
+    limit = tiny_target.max_positions
+    with pytest.raises(ValueError, match=f"prompt 0 has {limit} tokens.*{limit} positions"):
+        generate(Engine(tiny_target, drafter), torch.randint(3, 120, (1, limit)), max_new_tokens=4)
+    g = generate(Engine(tiny_target), torch.randint(3, 120, (1, limit - 3)), max_new_tokens=10, method="ar")
+    assert len(g.tokens) == 3 and g.finish_reason == "length"  # the answer ends where the positions do
 
 
 # ---- sampling is lossless (statistical) -------------------------------------------------------
@@ -269,7 +328,7 @@ def test_sampling_follows_target_distribution(method, lossy, monkeypatch):
     2nd and 3rd tokens (decided by tree walks) and on each token's marginal. The lossy variant
     proves that the test can fail."""
     if lossy:
-        monkeypatch.setattr(decode_mod, "target_tokens", _lossy_target_tokens)
+        monkeypatch.setattr(loop_mod, "target_tokens", _lossy_target_tokens)
     V, steps, n = 8, 3, 600
     target = make_tiny_target(num_layers=2, hidden=32, vocab=V, seed=5)
     with torch.no_grad():
@@ -280,7 +339,7 @@ def test_sampling_follows_target_distribution(method, lossy, monkeypatch):
     # Proposals: the target's own next-token distribution along its most likely path.
     mode = torch.tensor([ids[0].tolist() + greedy_reference(target, ids, 6)])
     table = torch.cat([torch.zeros(1, 1, V), target.model(mode).logits], dim=1)  # row p: distribution of token p
-    eng = Oracle(HFEngine(target, drafter), lambda n: table[:, n + 1:n + 4])
+    eng = Oracle(Engine(target, drafter), lambda n: table[:, n + 1:n + 4])
     counts = torch.zeros(V ** steps)
     accepted = 0
     for s in range(n):
@@ -313,6 +372,17 @@ def smol_case(smollm2):
     return ids, greedy_reference(smollm2, ids, N_NEW)
 
 
+@pytest.fixture(scope="module")
+def smol_batch(smollm2):
+    from dflashkit.data.prompts import load_prompts
+    from dflashkit.demo import bundled_drafter_dir
+
+    drafter = load_drafter(bundled_drafter_dir(), smollm2, dtype=torch.float32)
+    prompts = [chat_ids(smollm2.tokenizer, c.messages[0]["content"]) for c in load_prompts("humaneval", limit=4)]
+    assert len({p.shape[1] for p in prompts}) == 4  # ragged
+    return drafter, prompts, [greedy_reference(smollm2, p, N_NEW) for p in prompts]
+
+
 def _smol_drafter(smollm2, layers=1):
     from dflashkit.vocab import default_mask_token_id
 
@@ -322,19 +392,45 @@ def _smol_drafter(smollm2, layers=1):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_identical(smollm2, smol_case):
-    """The bundled trained drafter (real multi-token acceptance): DFlash and DDTree, both
-    engines, equal the target's own greedy tokens (untrained drafters: the tests below)."""
-    from dflashkit.demo import bundled_drafter_dir
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_smollm2_greedy_identical(smollm2, smol_batch, engine):
+    """The bundled trained drafter (real multi-token acceptance): every method, batch 1 and a
+    ragged batch of 4 HumanEval prompts, equals the target's own greedy tokens, with the same τ
+    per round in the batch as alone."""
+    drafter, prompts, refs = smol_batch
+    for method, budget in [("ar", None), ("dflash", None), ("ddtree", 16)]:
+        d = drafter if method != "ar" else None
+        alone = generate(ENGINES[engine](smollm2, d), prompts[0], max_new_tokens=N_NEW, method=method, budget=budget)
+        batch = generate_batch(ENGINES[engine](smollm2, d), prompts, max_new_tokens=N_NEW, method=method, budget=budget)
+        assert alone.tokens == refs[0][:N_NEW], method
+        assert [g.tokens for g in batch] == [r[:N_NEW] for r in refs], method
+        assert batch[0].accept_lengths == alone.accept_lengths
+        if method != "ar":
+            assert min(g.tau for g in batch) > 1.5, method
 
-    ids, ref = smol_case
-    trained = load_drafter(bundled_drafter_dir(), smollm2, dtype=torch.float32)
-    taus = []
-    for engine, method, budget in [("hf", "dflash", None), ("hf", "ddtree", 16), ("static", "ddtree", 32)]:
-        g = generate(ENGINES[engine](smollm2, trained), ids, max_new_tokens=N_NEW, method=method, budget=budget)
-        assert g.tokens == ref[:N_NEW], (engine, method)
-        taus.append(g.tau)
-    assert min(taus) > 1.5
+
+@pytest.mark.slow
+def test_smollm2_batch_sampling_per_row_seeded(smollm2, smol_batch):
+    """temperature 0.7, top_p 0.8: a row's draws equal its batch-1 draws with the same seed (so
+    they follow the target's own distribution), another batch reproduces the seeded rows, and
+    every emitted token lies in the target's top-p nucleus at its position."""
+    drafter, prompts, _ = smol_batch
+    prompts, n, temp, top_p = prompts[:3], 12, 0.7, 0.8
+    samp = [Sampling(temp, top_p, seed=s) for s in (11, 12, 13)]
+    a = generate_batch(Engine(smollm2, drafter), prompts, method="dflash", max_new_tokens=n, sampling=samp)
+    for p, s, g in zip(prompts, samp, a):
+        assert g.tokens == generate(Engine(smollm2, drafter), p, method="dflash", max_new_tokens=n, sampling=s).tokens
+    b = generate_batch(Engine(smollm2, drafter), [prompts[2], prompts[0]], method="ddtree", budget=8, max_new_tokens=n,
+                       sampling=[samp[2], Sampling(temp, top_p, seed=99)])
+    assert b[0].tokens == a[2].tokens and b[1].tokens != a[0].tokens  # DDTree draws what DFlash draws: the target's
+    assert sum(sum(g.accept_lengths) - g.rounds for g in a) > 0, "drafts must be accepted under sampling too"
+    for p, g in zip(prompts, a):
+        seq = torch.cat([p, torch.tensor([g.tokens])], 1)
+        probs = torch.softmax(smollm2.model(seq).logits[0, p.shape[1] - 1:-1] / temp, -1)  # [n, V]
+        sp, order = probs.sort(-1, descending=True)
+        rank = (order == torch.tensor(g.tokens)[:, None]).float().argmax(-1)
+        mass_before = (sp.cumsum(-1) - sp).gather(1, rank[:, None])[:, 0]
+        assert (mass_before < top_p + 1e-4).all(), "a token outside the top-p nucleus"
 
 
 @pytest.mark.slow
@@ -371,7 +467,7 @@ def test_reference_format_drafter_loads_and_runs(smollm2, smol_case, tmp_path):
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
     drafter = load_drafter(tmp_path, smollm2, dtype=torch.float32)
     assert drafter.config.target_layer_ids == c.target_layer_ids and drafter.config.num_hidden_layers == 2
-    g = generate(HFEngine(smollm2, drafter), ids, max_new_tokens=16, method="dflash")
+    g = generate(Engine(smollm2, drafter), ids, max_new_tokens=16, method="dflash")
     assert g.tokens == ref[:16] and g.rounds >= 1
 
 

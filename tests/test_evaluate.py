@@ -14,7 +14,8 @@ from datahelpers import one_thread  # noqa: F401
 from dflashkit.checkpoint import save_drafter
 from dflashkit.cli import main
 from dflashkit.data.features import FeatureSample
-from dflashkit.decode import HFEngine, generate
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
 from dflashkit.evaluate import (Prompt, answer_spans, evaluate_offline, evaluate_online, method_labels, offline_accepted,
                                 replay_rounds, summarize, write_report)
@@ -43,7 +44,7 @@ def _greedy_data(target, n: int, prompt_len: int = 12, new: int = 40, seed: int 
     out = []
     for i in range(n):
         ids = torch.randint(3, 120, (1, prompt_len), generator=g)
-        ans = generate(HFEngine(target), ids, max_new_tokens=new, method="ar").tokens
+        ans = generate(Engine(target), ids, max_new_tokens=new, method="ar").tokens
         seq = torch.cat([ids[0], torch.tensor(ans)])
         out.append((f"s{i}", ids, seq, torch.cat([torch.zeros(prompt_len), torch.ones(len(ans))]).bool()))
     return out
@@ -82,7 +83,7 @@ def test_offline_tau_equals_online_tiny_trained():
         acc, spans = offline_accepted(drafter, target, item, LABELS, top_k=3)
         assert spans == [(12, 52)]
         for label, method, budget in LABELS:
-            online = generate(HFEngine(target, drafter), ids, max_new_tokens=40, method=method, budget=budget, top_k=3)
+            online = generate(Engine(target, drafter), ids, max_new_tokens=40, method=method, budget=budget, top_k=3)
             assert online.tokens == seq[12:].tolist()
             assert replay_rounds(acc[label], spans)[0] == online.accept_lengths, (sid, label)
             seen.update(online.accept_lengths)
@@ -119,7 +120,7 @@ def smol_eval_setup(smollm2, tmp_path_factory):
     samples = []
     for conv in load_prompts("humaneval", limit=2):
         ids = prompt_ids(tok, conv.messages)
-        ans = generate(HFEngine(smollm2), torch.tensor([ids]), max_new_tokens=24, method="ar", stop_ids=stops).tokens
+        ans = generate(Engine(smollm2), torch.tensor([ids]), max_new_tokens=24, method="ar", stop_ids=stops).tokens
         samples.append(TokenizedSample(conv.id, ids + ans, [0] * len(ids) + [1] * len(ans)))
     extract_features(smollm2, samples, load_config(root / "ref").target_layer_ids, root / "feats", dtype="float32")
     return root

@@ -139,7 +139,8 @@ def test_dflash_greedy_identical_across_the_window(gemma3):
     """An (untrained) drafter's DFlash rounds on a prompt that the window boundary cuts through
     give exactly the target's own greedy tokens: the engine's masks and cache handling hold for
     sliding layers."""
-    from dflashkit.decode import HFEngine, generate
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.loop import generate
     from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
     from dflashkit.vocab import default_mask_token_id
     from test_decode import greedy_reference
@@ -149,6 +150,6 @@ def test_dflash_greedy_identical_across_the_window(gemma3):
     ids = torch.cat([torch.tensor([[gemma3.tokenizer.bos_token_id]]), torch.randint(1000, 200_000, (1, w - 5))], dim=1)
     mask = default_mask_token_id(gemma3.tokenizer, gemma3.vocab_size, gemma3.model.generation_config)
     drafter = DFlashDrafter(drafter_config_for_target(gemma3.config, mask, num_layers=1)).float()
-    g = generate(HFEngine(gemma3, drafter), ids, max_new_tokens=n_new, method="dflash")
+    g = generate(Engine(gemma3, drafter), ids, max_new_tokens=n_new, method="dflash")
     assert ids.shape[1] < w < ids.shape[1] + n_new
     assert g.tokens == greedy_reference(gemma3, ids, n_new)

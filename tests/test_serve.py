@@ -14,7 +14,6 @@ import torch
 
 from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit.data.chat import prompt_ids
-from dflashkit.serve import sample_token
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 MODEL = "SmolLM2-135M-Instruct"
@@ -98,15 +97,6 @@ def test_concurrent_requests(client, server):
     assert len(set(answers)) == 1 and answers[0]  # served one at a time: no cache mix-ups
     health = httpx.get(f"{server.removesuffix('/v1')}/health").json()
     assert health["status"] == "ok" and health["queued"] == 0
-
-
-def test_sample_token_top_p():
-    logits = torch.tensor([3.0, 2.0, 1.0, -5.0])
-    rng = torch.Generator().manual_seed(0)
-    assert sample_token(logits, 0.0, 1.0, rng) == 0
-    # top_p = 0.5 keeps only the most likely token (p = 0.66)
-    assert {sample_token(logits, 1.0, 0.5, rng) for _ in range(50)} == {0}
-    assert {sample_token(logits, 1.0, 0.9, rng) for _ in range(200)} == {0, 1}  # 0.665 + 0.245 >= 0.9
 
 
 def test_max_batch_dflash_concurrent_requests(smollm2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.target import cache_length, crop_cache, load_target, select_cache
+from dflashkit.target import load_target
 
 
 def _taps_equal_hidden_states(target, ids):
@@ -48,26 +48,6 @@ def test_taps_do_not_keep_all_hidden_states(tiny_target, monkeypatch):
 def test_layer_ids_out_of_range(tiny_target):
     with pytest.raises(ValueError, match=r"out of range.*6 decoder layers"):
         tiny_target.forward(torch.zeros(1, 3, dtype=torch.long), [0, 6])
-
-
-def test_cache_crop_and_select_match_fresh_prefill(tiny_target):
-    torch.manual_seed(0)
-    ids = torch.randint(0, 128, (1, 12))
-    cache = tiny_target.new_cache()
-    tiny_target.forward(ids[:, :10], [1], cache=cache)
-    assert cache_length(cache) == 10
-    crop_cache(cache, 6)
-    assert cache_length(cache) == 6
-    nxt = tiny_target.forward(ids[:, 6:8], [1], cache=cache, position_ids=torch.arange(6, 8)[None])
-    full = tiny_target.forward(ids[:, :8], [1])
-    torch.testing.assert_close(nxt.logits, full.logits[:, 6:8], atol=1e-5, rtol=1e-5)
-    # select: append 4 tokens, keep only the 2nd and 4th (a tree path), continue
-    tiny_target.forward(ids[:, 8:12], [1], cache=cache, position_ids=torch.arange(8, 12)[None])
-    select_cache(cache, 8, torch.tensor([0, 1]))
-    assert cache_length(cache) == 10
-    nxt = tiny_target.forward(ids[:, 10:12], [1], cache=cache, position_ids=torch.arange(10, 12)[None])
-    full = tiny_target.forward(ids, [1])
-    torch.testing.assert_close(nxt.logits, full.logits[:, 10:12], atol=1e-5, rtol=1e-5)
 
 
 def test_load_target_errors(tmp_path):

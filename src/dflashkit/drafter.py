@@ -3,7 +3,7 @@
 Queries come from the block tokens only; keys/values are projections of the fused target
 context followed by the block tokens. One `forward` serves both paths:
 
-* inference: new context features are appended to a `DrafterCache`, one block of queries;
+* inference: new context features are written into a KV cache (`decode.cache.KVCache`), one block of queries;
 * training: a whole sequence's context plus many blocks at once, under the mask of `masks.py`.
 
 The drafter owns no embedding and no LM head: the target's, frozen, are used (see `target.py`).
@@ -179,26 +179,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @dataclass
-class DrafterCache:
-    """Per-layer keys/values of the fused context, [b, kv_heads, t, head_dim]. Block keys are
-    never stored: a block is re-drafted every round, the context only grows (or is cropped)."""
+class CacheSlots:
+    """Where one inference block's keys/values go: a `decode.cache.KVCache` of the drafter's
+    layers, the new context's slots [b, c], the block's slots [b, B] (written after the context,
+    so they overwrite its padding), and the `n` slots every query looks at."""
 
-    keys: list[Tensor | None]
-    values: list[Tensor | None]
-
-    @classmethod
-    def empty(cls, num_layers: int) -> "DrafterCache":
-        return cls([None] * num_layers, [None] * num_layers)
-
-    def __len__(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` context positions (absolute length, not a count to drop)."""
-        if length > len(self):
-            raise ValueError(f"cannot crop a drafter cache of {len(self)} positions to {length}")
-        self.keys = [None if k is None else k[..., :length, :] for k in self.keys]
-        self.values = [None if v is None else v[..., :length, :] for v in self.values]
+    kv: Any
+    ctx_slots: Tensor
+    blk_slots: Tensor
+    n: int
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any) -> Tensor:
@@ -227,19 +216,18 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_c: tuple[Tensor, Tensor],
-                mask: Any, cache: DrafterCache | None, layer: int) -> Tensor:
+                mask: Any, cache: CacheSlots | None, layer: int) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k_blk, v_blk = self._kv(x, *rope_q)
         k_ctx, v_ctx = self._kv(ctx, *rope_c)
-        if cache is not None:
-            if cache.keys[layer] is not None:
-                k_ctx = torch.cat([cache.keys[layer], k_ctx], dim=-2)
-                v_ctx = torch.cat([cache.values[layer], v_ctx], dim=-2)
-            cache.keys[layer], cache.values[layer] = k_ctx, v_ctx
-        k = torch.cat([k_ctx, k_blk], dim=-2)
-        v = torch.cat([v_ctx, v_blk], dim=-2)
+        if cache is None:  # training: the whole context, then every block
+            k, v = torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2)
+        else:
+            cache.kv.write(layer, k_ctx, v_ctx, cache.ctx_slots)
+            cache.kv.write(layer, k_blk, v_blk, cache.blk_slots)
+            k, v = cache.kv.view(layer, cache.n)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
@@ -290,8 +278,11 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def new_cache(self) -> DrafterCache:
-        return DrafterCache.empty(self.config.num_hidden_layers)
+    def new_cache(self) -> Any:
+        """An empty context cache for `draft_block` (a `decode.cache.KVCache`)."""
+        from dflashkit.decode.cache import KVCache
+
+        return KVCache(self.config.num_hidden_layers)
 
     def forward(
         self,
@@ -299,8 +290,8 @@ class DFlashDrafter(nn.Module):
         ctx_features: Tensor,  # [b, c, n_taps * H] raw tapped target features of new context tokens
         block_pos: Tensor,  # [b, q] positions of block slots (anchor + k)
         ctx_pos: Tensor,  # [b, c] positions of the new context tokens
-        layer_masks: dict[str, Any],  # layer type -> mask over keys [cached ctx, new ctx, block]
-        cache: DrafterCache | None = None,
+        layer_masks: dict[str, Any],  # layer type -> mask over keys ([ctx, blocks], or the cache's slots)
+        cache: CacheSlots | None = None,
     ) -> Tensor:  # [b, q, H] final hidden states; the target's LM head turns them into logits
         cfg = self.config
         ctx = self.hidden_norm(self.fc(ctx_features))
@@ -363,21 +354,39 @@ def block_token_ids(anchor_tokens: Tensor, block_size: int, mask_token_id: int) 
     return ids.flatten(-2)
 
 
-def draft_block(drafter: DFlashDrafter, embed, cache: DrafterCache, new_features: Tensor, bonus: Tensor) -> Tensor:
-    """Inference path: append the features of the newly verified tokens to the cache, then run
-    one block `[bonus, MASK...]` at the bonus token's position (= the cache length afterwards).
-
-    new_features: [b, c, n_taps * H]; bonus: [b]. Returns hidden states [b, B, H]; slot k
-    predicts the token at position start + k (slot 0 is the bonus itself)."""
-    cfg = drafter.config
+def draft_block(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, bonus: Tensor,
+                counts: list[int] | None = None) -> Tensor:
+    """Inference path: row i appends the features of its newly verified tokens (the first
+    counts[i] rows of new_features [b, c, n_taps * H]; all c by default) to the context cache
+    (`drafter.new_cache()`), then drafts one block `[bonus, MASK...]` at start_i, the bonus
+    token's position (= the row's context length afterwards). Returns hidden states [b, B, H];
+    slot k predicts the token at position start + k (slot 0 is the bonus itself)."""
     b, c = new_features.shape[:2]
-    start = len(cache) + c
     dev = new_features.device
+    counts = [c] * b if counts is None else list(counts)
+    if cache.batch != b:
+        cache.start(b, dev)
+    B = drafter.config.block_size
+    n = max(length + k for length, k in zip(cache.lengths, counts)) + B
+    cache.reserve(max(n, max(cache.lengths) + c))
+    start = cache.lengths_t + torch.tensor(counts, device=dev)
+    h = draft_step(drafter, embed, cache, new_features, bonus, start, n)
+    cache.advance(counts)
+    return h
+
+
+def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, bonus: Tensor, start: Tensor,
+               n: int) -> Tensor:
+    """The tensor part of `draft_block` (no host synchronisation, so CUDA graphs can capture it):
+    context rows at cache.lengths_t + j, the block at start [b], attention over n slots under
+    the rule of `masks.visible`."""
+    cfg = drafter.config
+    c, dev = new_features.shape[1], new_features.device
+    ctx_slots = cache.lengths_t[:, None] + torch.arange(c, device=dev)
+    blk_slots = start[:, None] + torch.arange(cfg.block_size, device=dev)
     emb = embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
-    ctx_pos = torch.arange(len(cache), start, device=dev).expand(b, -1)
-    blk_pos = (start + torch.arange(cfg.block_size, device=dev)).expand(b, -1)
-    lm = masks_mod.inference_masks(start, start, cfg.block_size, cfg.layer_types, cfg.sliding_window, b, dev)
-    return drafter(emb, new_features, blk_pos, ctx_pos, lm, cache)
+    lm = masks_mod.layer_masks(masks_mod.inference_layout(start, cfg.block_size, n), cfg.layer_types, cfg.sliding_window)
+    return drafter(emb, new_features, blk_slots, ctx_slots, lm, CacheSlots(cache, ctx_slots, blk_slots, n))
 
 
 def training_hidden(drafter: DFlashDrafter, embed, input_ids: Tensor, features: Tensor, anchors: Tensor,

@@ -31,7 +31,10 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.decode import Sampling, Tree, build_tree, generate, make_engine, walk
+from dflashkit.decode.engine import make_engine
+from dflashkit.decode.generation import Sampling
+from dflashkit.decode.loop import generate
+from dflashkit.decode.tree import Tree, build_tree, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.target import Target
 

@@ -121,22 +121,14 @@ def training_layout(anchors: Tensor, block_size: int, ctx_valid: Tensor) -> Layo
     )
 
 
-def inference_layout(context_len: int, start: int, block_size: int, batch: int = 1, device: Any = None) -> Layout:
-    """One block at `start` over a context cache holding positions [0, context_len).
+def inference_layout(start: Tensor, block_size: int, n_slots: int) -> Layout:
+    """One block per row at start [b] over a context cache whose slot p holds position p.
 
-    At inference `context_len == start`: the bonus token's features are not yet known."""
-    q_anchor = torch.full((batch, block_size), start, device=device)
-    k_pos = torch.cat([torch.arange(context_len, device=device), start + torch.arange(block_size, device=device)])
-    k_block = torch.cat([torch.full((context_len,), CTX, device=device), torch.zeros(block_size, dtype=torch.long, device=device)])
-    return Layout(q_anchor, torch.zeros_like(q_anchor), k_pos.expand(batch, -1), k_block.expand(batch, -1))
-
-
-def inference_masks(context_len: int, start: int, block_size: int, layer_types: list[str], window: int | None,
-                    batch: int = 1, device: Any = None) -> dict[str, Any]:
-    """Masks for one inference block. A full layer sees every key (the cache holds exactly the
-    positions before `start`), so it gets `None` and SDPA runs unmasked; tests check that the
-    dense rule agrees."""
-    if context_len != start:
-        raise ValueError(f"drafter cache holds {context_len} positions but the block starts at {start}")
-    layout = inference_layout(context_len, start, block_size, batch, device)
-    return {t: (dense_mask(layout, window) if t == "sliding_attention" else None) for t in set(layer_types)}
+    Slots before `start` are context (the bonus token's own features are not known yet), the
+    block's own keys sit at slots start..start+B-1, anything beyond is padding."""
+    b, dev = start.shape[0], start.device
+    slot = torch.arange(n_slots, device=dev).expand(b, -1)
+    rel = slot - start[:, None]
+    k_block = torch.where(rel < 0, CTX, torch.where(rel < block_size, 0, PAD))
+    q_anchor = start[:, None].expand(-1, block_size)
+    return Layout(q_anchor, torch.zeros_like(q_anchor), slot, k_block)

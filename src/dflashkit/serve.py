@@ -4,13 +4,14 @@ FastAPI + uvicorn (the `serve` extra): SSE streaming, request validation and an 
 come for free, and the official `openai` client is what we test against.
 
 The server is a thin shell over a pluggable `Generator` (token ids in, chunks of token ids out, a
-stats dict at the end that is merged into the response's `usage` block). This module ships the
-plain autoregressive generator; a speculative one only has to implement `generate`.
+stats dict at the end that is merged into the response's `usage` block; `decode/generation.py`).
+`dflashkit serve` runs the decoding loop's `DecodingGenerator`: autoregressive without a
+drafter, DFlash or DDTree with one.
 
 One worker thread owns the model and runs requests in arrival order (`Engine`): concurrent
 requests queue instead of racing on the model and its KV cache. With `--max-batch N` the worker
-takes up to N queued requests at once and decodes them as one batch (`batch.BatchGenerator`,
-AR or DFlash); requests arriving meanwhile wait for the next batch.
+takes up to N queued requests at once and decodes them as one batch; requests arriving
+meanwhile wait for the next batch.
 """
 
 from __future__ import annotations
@@ -24,85 +25,18 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import closing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor
+
+from dflashkit.decode.engine import make_engine
+from dflashkit.decode.generation import Generator
+from dflashkit.decode.loop import DecodingGenerator
 
 log = logging.getLogger(__name__)
-
-
-# ---- generators ------------------------------------------------------------------------------
-
-
-@dataclass
-class GenerationChunk:
-    token_ids: list[int]  # new tokens (a stop token, if any, is the last one of the last chunk)
-    finish_reason: Literal["stop", "length"] | None = None  # set on the last chunk only
-    stats: dict[str, Any] = field(default_factory=dict)  # last chunk: merged into the usage block
-
-
-class Generator(Protocol):
-    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
-                 stop_ids: set[int], seed: int | None) -> Iterator[GenerationChunk]: ...
-
-
-class BatchedGenerator(Generator, Protocol):
-    def generate_batch(self, requests: list[tuple[list[int], dict[str, Any]]],
-                       cancelled: Callable[[int], bool]) -> Iterator[list[tuple[int, GenerationChunk]]]:
-        """(input ids, `generate` keyword arguments) per request -> per round (request index, chunk)."""
-
-
-def sample_token(logits: Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else a draw from the temperature-scaled, nucleus-filtered distribution."""
-    # logits: [V]
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = sorted_p.cumsum(0) - sorted_p >= top_p
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=rng))
-
-
-class AutoregressiveGenerator:
-    """One target forward per token, on a KV cache of our own."""
-
-    def __init__(self, target: Any) -> None:
-        self.target = target
-
-    @torch.no_grad()
-    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
-                 stop_ids: set[int], seed: int | None) -> Iterator[GenerationChunk]:
-        model, device = self.target.model, self.target.device
-        rng = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
-        cache = self.target.new_cache()
-        ids = torch.tensor([input_ids], device=device)  # [1, t]
-        t0 = time.perf_counter()
-        finish: Literal["stop", "length"] = "length"
-        n = 0
-        for n in range(1, max_new_tokens + 1):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            tok = sample_token(logits[0, -1].cpu(), temperature, top_p, rng)
-            if n == 1:
-                t_first = time.perf_counter() - t0
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            yield GenerationChunk([tok])
-            ids = torch.tensor([[tok]], device=device)
-        dt = time.perf_counter() - t0
-        yield GenerationChunk([tok] if finish == "stop" else [], finish, {
-            "time_to_first_token_s": round(t_first, 4),
-            "decode_tokens_per_s": round((n - 1) / (dt - t_first), 2) if n > 1 and dt > t_first else None,
-        })
 
 
 # ---- the engine: one request at a time on a worker thread --------------------------------------------
@@ -440,8 +374,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "acceptance statistics are added to each response's usage block")
     p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
-                   help="decode up to N queued requests as one batch (AR or DFlash, Transformers path; default 1: one "
-                        "at a time)")
+                   help="decode up to N queued requests as one batch (default 1: one at a time)")
+    p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
+                   help="decoding engine: auto = static with CUDA graphs on a GPU where supported, else Transformers")
     add_config_options(p)
 
 
@@ -456,21 +391,15 @@ def run(args: argparse.Namespace) -> int:
                          device=resolve_device(cfg.target.device))
     if args.ddtree_budget is not None and (not args.drafter or args.ddtree_budget < 1):
         raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
-    if args.max_batch < 1 or (args.max_batch > 1 and args.ddtree_budget is not None):
-        raise ValueError("--max-batch needs N >= 1, and DDTree (--ddtree-budget) decodes one request at a time")
-    generator: Generator = AutoregressiveGenerator(target)
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch needs N >= 1, got {args.max_batch}")
     drafter = None
     if args.drafter:
         from dflashkit.checkpoint import load_drafter
-        from dflashkit.decode import SpeculativeGenerator
 
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
-        generator = SpeculativeGenerator(target, drafter, method="ddtree" if args.ddtree_budget else "dflash",
-                                         budget=args.ddtree_budget)
-    if args.max_batch > 1:
-        from dflashkit.batch import BatchGenerator
-
-        generator = BatchGenerator(target, drafter)
+    method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
+    generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget)
     app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch)
     # Bind first, then announce: with --port 0 the caller learns the port, and connections made
     # before uvicorn starts accepting wait in the backlog instead of being refused.

@@ -4,8 +4,8 @@
 * `forward`: logits plus *only* the tapped layers' features. Tap `k` is the output of decoder
   layer `k`, i.e. `output_hidden_states[k + 1]` (index 0 is the embedding output). Taps are
   captured by forward hooks, so the other layers' hidden states are never kept alive.
-* a KV cache that we crop and compact ourselves (`crop_cache`, `select_cache`): Transformers'
-  own cache semantics change between releases (SPEC §6).
+* `layer_kinds`: which layers attend fully and which through a sliding window (the decoding
+  cache, `decode/cache.py`, is ours: Transformers' own cache semantics change between releases).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class TargetOutput:
     logits: Tensor | None  # [b, t, V]
     features: Tensor  # [b, t, n_taps * H], taps concatenated in the order asked for
     cache: Any  # transformers Cache (or None)
+    hidden: Tensor | None = None  # [b, t, H] after the final norm (when logits=False)
 
 
 class Target:
@@ -69,7 +70,17 @@ class Target:
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         head = self.model.get_output_embeddings()
-        return head(hidden.to(head.weight.dtype))
+        logits = head(hidden.to(head.weight.dtype))
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma-style models
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return layer_kinds(self.config)
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
 
     # ---- forward with taps -------------------------------------------------------------
     def check_layer_ids(self, layer_ids: list[int]) -> None:
@@ -111,16 +122,12 @@ class Target:
             else:  # skip the LM head: the base model alone
                 out = self.model.get_decoder()(**kwargs)
                 lg = None
+                hidden = out.last_hidden_state
         finally:
             for h in handles:
                 h.remove()
         feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
-        return TargetOutput(lg, feats, cache)
-
-    def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        return TargetOutput(lg, feats, cache, None if logits else hidden)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -139,42 +146,16 @@ def _final_norm(model: nn.Module) -> nn.Module:
     return norm
 
 
-# ---- KV cache we own -----------------------------------------------------------------------
-
-
-def _cache_layers(cache: Any) -> list[Any]:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise TypeError(f"unsupported KV cache {type(cache).__name__}: expected a transformers>=5 Cache with .layers")
-    for layer in layers:
-        if not hasattr(layer, "keys"):
-            raise TypeError(f"cache layer {type(layer).__name__} holds no keys/values (recurrent state cannot be rolled back)")
-    return layers
-
-
-def cache_length(cache: Any) -> int:
-    for layer in _cache_layers(cache):
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            return layer.keys.shape[-2]
-    return 0
-
-
-def crop_cache(cache: Any, length: int) -> None:
-    """Keep the first `length` positions of every layer (absolute length)."""
-    for layer in _cache_layers(cache):
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-
-def select_cache(cache: Any, start: int, keep: Tensor) -> None:
-    """Keep positions [0, start) plus `start + keep` (indices into what was appended at `start`),
-    packed contiguously: compacts a verified draft tree to its accepted path."""
-    for layer in _cache_layers(cache):
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            idx = torch.cat([torch.arange(start, device=keep.device), start + keep])
-            layer.keys = layer.keys.index_select(-2, idx.to(layer.keys.device))
-            layer.values = layer.values.index_select(-2, idx.to(layer.values.device))
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's attention kind: 'full_attention' or 'sliding_attention' (or another
+    type the config names). A config with a sliding window but no `layer_types` (Mistral-7B-v0.1,
+    Phi-3-mini-4k style) slides in every layer."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
+    return ["sliding_attention" if sliding else "full_attention"] * n
 
 
 # ---- loading -----------------------------------------------------------------------------

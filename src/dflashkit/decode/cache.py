@@ -1,0 +1,108 @@
+"""The one KV cache of decoding, owned by dflashkit (Transformers' cache semantics change between
+releases, and none of them can roll a draft tree back).
+
+One buffer per kind, [layers, b, kv_heads, capacity, head_dim], for keys and for values. Row i
+keeps position p in slot p: its `lengths[i]` committed positions are slots [0, lengths[i]); what
+lies beyond (a verified draft, prompt padding) is garbage that the attention masks hide. Sliding
+layers keep full-length rows too, the window being a rule of the mask, so that rollback by
+position works for every layer kind.
+
+Rollback is one operation, `commit`: row i keeps the verified nodes `keep[i]` (a path, root
+first) and moves them to slots lengths[i].., a chain being the path 0, 1, 2, ... that moves
+nothing. Recurrent layers (conv and recurrent state per row) belong behind the same `commit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.k: Tensor | None = None  # [L, b, kv_heads, capacity, head_dim]
+        self.v: Tensor | None = None
+        self.lengths: list[int] = []  # committed positions per row (host copy: no device sync to read it)
+        self.lengths_t: Tensor | None = None  # the same on the device, [b]
+        self.reserved = 0  # slots the next write may touch
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row: allocated, or to be allocated at the first write."""
+        return _aligned(self.reserved) if self.k is None else self.k.shape[3]
+
+    def start(self, batch: int, device: torch.device) -> None:
+        """Forget everything: `batch` empty rows (buffers are kept when their shape allows)."""
+        self.lengths = [0] * batch
+        self.lengths_t = torch.zeros(batch, dtype=torch.long, device=device)
+        if self.k is not None and self.k.shape[1] != batch:
+            self.k = self.v = None
+
+    def reserve(self, slots: int) -> None:
+        """Make room for writes up to slot `slots` - 1; grows the buffers (doubling) if needed."""
+        self.reserved = max(self.reserved, slots)
+        if self.k is not None and slots > self.capacity:
+            self._resize(max(slots, 2 * self.capacity))
+
+    def _resize(self, capacity: int) -> None:
+        capacity = _aligned(capacity)
+        L, b, h, old, d = self.k.shape
+        k = self.k.new_zeros(L, b, h, capacity, d)
+        v = torch.zeros_like(k)
+        n = min(old, capacity)
+        k[:, :, :, :n], v[:, :, :, :n] = self.k[:, :, :, :n], self.v[:, :, :, :n]
+        self.k, self.v = k, v
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """k/v [b, kv_heads, t, head_dim] of one layer into slots [b, t] (per row)."""
+        if self.k is None:
+            b, h, _, d = k.shape
+            self.k = k.new_zeros(self.num_layers, b, h, self.capacity, d)
+            self.v = torch.zeros_like(self.k)
+        idx = slots[:, None, :, None].expand(k.shape)
+        self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
+        self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
+
+    def view(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of slots [0, n) of one layer: [b, kv_heads, n, head_dim] views."""
+        return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
+
+    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        """Row i keeps its verified nodes `keep[i]` (indices into what was written at slots
+        lengths[i]..., root first, each path at least the root) and commits them."""
+        counts = [len(p) for p in keep]
+        if any(list(p) != list(range(len(p))) for p in keep):  # a tree path: move the kept nodes together
+            q = max(counts)
+            dev = self.k.device
+            src = torch.tensor([list(p) + list(range(len(p), q)) for p in keep], device=dev)  # [b, q]
+            base = self.lengths_t[:, None]
+            dst = base + torch.arange(q, device=dev)
+            L, b, h, _, d = self.k.shape
+            for buf in (self.k, self.v):
+                moved = buf.gather(3, (base + src)[None, :, None, :, None].expand(L, b, h, q, d))
+                buf.scatter_(3, dst[None, :, None, :, None].expand(L, b, h, q, d), moved)
+        self.advance(counts)
+
+    def advance(self, counts: Sequence[int]) -> None:
+        """Commit the first counts[i] slots written past each row's length (no move needed)."""
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.lengths_t = self.lengths_t + torch.tensor(counts, device=self.lengths_t.device)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Drop every row not in `rows` (indices into the current batch)."""
+        idx = torch.tensor(list(rows), device=self.lengths_t.device)
+        self.lengths = [self.lengths[r] for r in rows]
+        self.lengths_t = self.lengths_t[idx]
+        if self.k is not None:
+            self.k, self.v = self.k[:, idx], self.v[:, idx]
+
+
+def _aligned(slots: int) -> int:
+    return max(64, -(-slots // 64) * 64)  # aligned rows for attention kernels and masks

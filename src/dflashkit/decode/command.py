@@ -1,0 +1,68 @@
+"""`dflashkit generate`: one prompt in, text and decoding statistics out."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflashkit.decode.engine import make_engine
+from dflashkit.decode.generation import METHODS, Sampling
+from dflashkit.decode.loop import generate
+
+
+def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
+    """[1, T] prompt ids: through the chat template (as `regenerate` prompts the target) when the
+    tokenizer has one, else the raw text."""
+    from dflashkit.data.chat import prompt_ids
+
+    if chat and getattr(tokenizer, "chat_template", None):
+        return torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": prompt}])])
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dflashkit.commands import add_config_options
+
+    p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (needed unless --method ar)")
+    p.add_argument("--method", choices=METHODS, default=None, help="default: dflash with a drafter, ar without")
+    p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default 32)")
+    p.add_argument("--top-k", type=int, default=4, help="DDTree candidates per slot (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")
+    add_config_options(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.commands import config_from_args, resolve_device
+    from dflashkit.target import load_target
+    from dflashkit.vocab import stop_token_ids
+
+    method = args.method or ("dflash" if args.drafter else "ar")
+    if method != "ar" and not args.drafter:
+        raise ValueError(f"--method {method} needs --drafter DIR (a reference-format drafter directory)")
+    sampling = Sampling(args.temperature, args.top_p, args.seed)
+    cfg = config_from_args(args)
+    target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
+                         device=resolve_device(cfg.target.device))
+    drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype) if args.drafter else None
+    engine = make_engine(target, drafter if method != "ar" else None, args.engine)
+    ids = chat_ids(target.tokenizer, args.prompt, chat=not args.raw)
+    stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+    res = generate(engine, ids, max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
+                   top_k=args.top_k, sampling=sampling, stop_ids=stops)
+    print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
+    s = res.stats()
+    tps = len(res.tokens) / max(res.prefill_seconds + res.decode_seconds, 1e-9)
+    label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{args.top_k})"
+    print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
+          f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}")
+    return 0

@@ -1,0 +1,223 @@
+"""The engine: the target (+ drafter) state of b sequences, and the four steps of a round.
+
+    prefill(prompts)            -> the target's logits at each row's last prompt token [b, V]
+    draft(bonus)                -> the drafter's logits for the B-1 positions after each bonus [b, B-1, V]
+    verify(tokens, depths, anc) -> the target's logits at each verified node [b, q, V]
+    commit(paths)               keeps each row's accepted path (the one rollback, `KVCache.commit`)
+
+Rows are ragged: each has its own length in the caches (`decode/cache.py`) and, in a round, its
+own tree (padded to the batch's largest; padding nodes see only themselves and are never
+committed). Engines differ only in how they run the target's layers, a `Runner`:
+`HFRunner` (here) runs any Transformers causal LM through its own forward with our cache behind
+Transformers' `Cache` interface and the tree rule as a 4-D mask; `decode/static.py` runs its own
+layers over the same cache, with CUDA graphs on GPU. The drafter is the one `drafter.py` module
+in both, its context in a second `KVCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from dflashkit.decode.cache import KVCache
+from dflashkit.decode.tree import visibility
+from dflashkit.drafter import DFlashDrafter, draft_step
+from dflashkit.target import Target
+
+PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chunk, length]
+
+
+class Runner(Protocol):
+    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Run the target's layers over tokens [b, q] written into `cache` at slots
+        lengths + j, positions lengths + depths [b, q], under `tree.visibility` (ancestors bool
+        [b, q, q]) over the first n slots. -> (hidden after the final norm [b, q, H], tapped
+        features [b, q, n_taps * H])."""
+
+
+class _SlotCache:
+    """Our cache behind Transformers' `Cache.update`: each attention layer writes its new
+    keys/values at the round's slots and attends over the first n slots (the 4-D mask hides the
+    rest)."""
+
+    def __init__(self, kv: KVCache, slots: Tensor, n: int) -> None:
+        self.kv, self.slots, self.n = kv, slots, n
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        self.kv.write(layer_idx, key_states, value_states, self.slots)
+        return self.kv.view(layer_idx, self.n)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return min(self.kv.lengths)
+
+
+def _transformers_cache(kv: KVCache, slots: Tensor, n: int) -> Any:
+    """A `transformers.Cache` instance (models check the type) that behaves as `_SlotCache`."""
+    from transformers import Cache
+
+    class SlotCache(_SlotCache, Cache):
+        def __init__(self) -> None:
+            Cache.__init__(self, layers=[])
+            _SlotCache.__init__(self, kv, slots, n)
+
+    return SlotCache()
+
+
+class HFRunner:
+    """Any Transformers causal LM through its own forward. The mask goes in as an additive 4-D
+    mask (Transformers passes those through as they are): one per layer type when the config
+    names layer types, else one for every layer (sliding in all of them when the config has a
+    window but no types)."""
+
+    def __init__(self, target: Target, layer_ids: list[int]) -> None:
+        self.target, self.layer_ids = target, layer_ids
+        kinds = target.layer_kinds
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{target.name}: layer types {unknown} hold recurrent state, which this engine cannot "
+                             "roll back after a draft; decode with an attention-only target")
+        self.typed = bool(getattr(target.config, "layer_types", None))
+        self.kinds = set(kinds)
+        self.window = getattr(target.config, "sliding_window", None)
+
+    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        q, dt = tokens.shape[1], self.target.dtype
+        lengths = cache.lengths_t
+        slots = lengths[:, None] + torch.arange(q, device=tokens.device)
+
+        def additive(kind: str) -> Tensor:
+            vis = visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention" else None)
+            return torch.zeros(vis.shape, dtype=dt, device=vis.device).masked_fill(~vis, torch.finfo(dt).min)[:, None]
+
+        masks: Any = {k: additive(k) for k in self.kinds} if self.typed else additive(next(iter(self.kinds)))
+        out = self.target.forward(tokens, self.layer_ids, position_ids=lengths[:, None] + depths, attention_mask=masks,
+                                  cache=_transformers_cache(cache, slots, n), logits=False)
+        return out.hidden, out.features
+
+
+class Engine:
+    """b sequences of one target (and drafter). Host-side facts (lengths) are kept on the host,
+    so a round needs one device-to-host transfer: the verified tokens."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, runner: Runner | None = None) -> None:
+        self.target, self.drafter = target, drafter
+        self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
+        self.run = runner or HFRunner(target, self.layer_ids)
+        self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
+        self.cache = KVCache(target.num_layers)
+        self.dcache = drafter.new_cache() if drafter is not None else None
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.cache.lengths
+
+    def check_prompts(self, prompts: Sequence[Tensor]) -> None:
+        limit = self.target.max_positions
+        for i, p in enumerate(prompts):
+            if not len(p):
+                raise ValueError(f"prompt {i} is empty")
+            if limit and len(p) >= limit:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, but {self.target.name} has {limit} positions "
+                                 f"(max_position_embeddings): at most {limit - 1} prompt tokens leave room for an answer")
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Tensor], capacity: int) -> Tensor:
+        """prompts: b x [T_i] -> logits at each row's last prompt token [b, V]. The caches make room
+        for `capacity` positions per row (they grow if a round needs more)."""
+        self.check_prompts(prompts)
+        dev, b = self.target.device, len(prompts)
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        ids = torch.zeros(b, T, dtype=torch.long, device=dev)  # right padding: beyond each row's length
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p.to(dev)
+        self.cache.start(b, dev)
+        self.cache.reserve(max(capacity, T))
+        last, feats = [None] * b, []
+        for off in range(0, T, PREFILL_CHUNK):
+            q = min(PREFILL_CHUNK, T - off)
+            depths = torch.arange(q, device=dev).expand(b, -1)
+            causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(b, -1, -1)
+            hidden, f = self.run(self.cache, ids[:, off:off + q], depths, causal, max(self.cache.lengths) + q)
+            feats.append(f)
+            for i, n in enumerate(lens):
+                if off <= n - 1 < off + q:
+                    last[i] = hidden[i, n - 1 - off]
+            self.cache.advance([min(max(n - off, 0), q) for n in lens])
+        self.pending, self.pending_counts = torch.cat(feats, 1), lens
+        if self.dcache is not None:
+            self.dcache.start(b, dev)
+            self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
+        return self.target.lm_head(torch.stack(last))
+
+    def _draft_step(self, feats: Tensor, bonus: Tensor, start: Tensor, n: int) -> Tensor:
+        h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, start, n)
+        return self.target.lm_head(h[:, 1:])
+
+    @torch.no_grad()
+    def draft(self, bonus: Tensor) -> Tensor:
+        """bonus [b] at positions `lengths` -> drafter logits [b, B-1, V] for the next B-1 positions."""
+        B, dc = self.drafter.config.block_size, self.dcache
+        feats, step = self.pending, self._draft_step  # the prompt's context: any length, run as it is
+        if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
+            feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
+            step = self.draft_step
+        n = max(self.lengths) + B
+        dc.reserve(max(n, max(dc.lengths) + feats.shape[1]))
+        out = step(feats, bonus, self.cache.lengths_t, n)
+        dc.advance(self.pending_counts)
+        return out
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor, depths: Tensor, ancestors: Tensor | None = None) -> Tensor:
+        """tokens [b, q] at positions lengths + depths [b, q]; ancestors bool [b, q, q] (None: a
+        chain) -> the target's logits [b, q, V]."""
+        b, q = tokens.shape
+        if ancestors is None:
+            ancestors = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril().expand(b, -1, -1)
+        n = max(self.lengths) + q
+        self.cache.reserve(n)
+        hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
+        return self.target.lm_head(hidden)
+
+    def commit(self, paths: Sequence[Sequence[int]]) -> None:
+        """Row i keeps the verified nodes paths[i] (root first); their features are the drafter's next context."""
+        self.cache.commit(paths)
+        q = max(len(p) for p in paths)
+        if all(list(p) == list(range(len(p))) for p in paths):
+            self.pending = self.verified[:, :q]
+        else:
+            idx = torch.tensor([list(p) + [0] * (q - len(p)) for p in paths], device=self.verified.device)
+            self.pending = self.verified.gather(1, idx[:, :, None].expand(-1, -1, self.verified.shape[2]))
+        self.pending_counts = [len(p) for p in paths]
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Drop every row not in `rows` (indices into the current batch)."""
+        idx = torch.tensor(list(rows), device=self.pending.device)
+        self.cache.keep_rows(rows)
+        if self.dcache is not None:
+            self.dcache.keep_rows(rows)
+        self.pending = self.pending[idx]
+        self.pending_counts = [self.pending_counts[r] for r in rows]
+
+
+def make_engine(target: Target, drafter: DFlashDrafter | None, kind: str = "auto") -> Engine:
+    """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': on
+    CUDA, for the targets the static runner supports, static + torch.compile + fused q/k/v and
+    gate/up weights (the fastest measured, docs/benchmarks.md), else hf."""
+    from dflashkit.decode import static
+
+    if kind not in ("auto", "hf", "static"):
+        raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
+    if kind == "auto" and target.device.type == "cuda" and static.supported(target) is None:
+        return static.static_engine(target, drafter, compile=True)
+    if kind == "static":
+        return static.static_engine(target, drafter)
+    return Engine(target, drafter)

@@ -1,0 +1,115 @@
+"""What a generation is, independent of how it is decoded: the leaf of the decoding package.
+
+`Sampling` (the request's settings), `target_tokens` (the target's token at each verified
+position: argmax or a sample of its own distribution), `Generation` (tokens, τ per round,
+timings), `GenerationChunk` and the `Generator` protocols that the server speaks. Nothing here
+imports the rest of dflashkit, so the server, the loop and the engines can all depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def target_tokens(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
+    """logits [n, V] -> [n]: the argmax, or one independent sample per row from the target's own
+    (temperature, top-p) distribution. Autoregressive decoding uses the same function, so
+    speculative and plain decoding sample from the same distribution."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        p, idx = probs.sort(-1, descending=True)
+        drop = p.cumsum(-1) - p >= sampling.top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(-1, idx, p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator | None:
+    """The random stream of one sequence (None when greedy); an unset seed draws a fresh one."""
+    if sampling.temperature == 0:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+    return gen
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens; a stop token that ended generation is included
+    accept_lengths: list[int]  # τ per round
+    finish_reason: str  # "" while running, then "stop" | "length"
+    prompt_tokens: int
+    prefill_seconds: float  # time to the first token (device synchronised)
+    decode_seconds: float  # rounds only (after the first token)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    def extend(self, new: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset[int]) -> list[int]:
+        """Append `new` up to the first stop token (included) or the token limit, setting
+        `finish_reason` when either is reached; returns what was appended."""
+        for i, t in enumerate(new):
+            if t in stop_ids or len(self.tokens) + i + 1 >= max_new_tokens:
+                new, self.finish_reason = new[:i + 1], "stop" if t in stop_ids else "length"
+                break
+        self.tokens += new
+        return new
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / max(1, self.rounds)
+
+    def stats(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens), "rounds": self.rounds,
+                "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 4),
+                "decode_seconds": round(self.decode_seconds, 4), "finish_reason": self.finish_reason}
+
+
+def usage_stats(g: Generation, label: str | None) -> dict[str, Any]:
+    """What a finished request adds to the server's usage block; `label` (the decoding method)
+    adds the acceptance statistics of speculative decoding."""
+    spec = {} if label is None else {"decoding": label, "rounds": g.rounds, "tau": round(g.tau, 4),
+                                     "accepted_draft_tokens": sum(g.accept_lengths) - g.rounds}
+    return {**spec, "time_to_first_token_s": round(g.prefill_seconds, 4),
+            "decode_tokens_per_s": round((len(g.tokens) - 1) / g.decode_seconds, 2) if g.decode_seconds > 0 else None}
+
+
+@dataclass
+class GenerationChunk:
+    token_ids: list[int]  # new tokens (a stop token, if any, is the last one of the last chunk)
+    finish_reason: Literal["stop", "length"] | None = None  # set on the last chunk only
+    stats: dict[str, Any] = field(default_factory=dict)  # last chunk: merged into the usage block
+
+
+class Generator(Protocol):
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: set[int], seed: int | None) -> Iterator[GenerationChunk]: ...
+
+
+class BatchedGenerator(Generator, Protocol):
+    def generate_batch(self, requests: list[tuple[list[int], dict[str, Any]]],
+                       cancelled: Callable[[int], bool]) -> Iterator[list[tuple[int, GenerationChunk]]]:
+        """(input ids, `generate` keyword arguments) per request -> per round (request index, chunk)."""

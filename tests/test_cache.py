@@ -1,0 +1,89 @@
+"""The one rollback: after any sequence of chain and tree commits, every row's cache equals a
+fresh prefill of the tokens it committed, for every layer kind (full, sliding named per layer,
+sliding without layer types), on both runners."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_drafter
+from datahelpers import one_thread  # noqa: F401
+from dflashkit.decode.cache import KVCache
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.static import static_engine
+from dflashkit.decode.tree import build_tree
+from test_decode import sliding_targets
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_commit_moves_each_rows_path_to_its_length():
+    kv = KVCache(1)
+    kv.start(2, torch.device("cpu"))
+    kv.reserve(8)
+    kv.write(0, torch.zeros(2, 1, 3, 1), torch.zeros(2, 1, 3, 1), torch.tensor([[0, 1, 2]] * 2))
+    kv.advance([3, 1])  # row 0 holds 3 positions, row 1 one
+    nodes = torch.arange(10, 14, dtype=torch.float).view(1, 1, 4, 1).repeat(2, 1, 1, 1) + torch.tensor([0, 100.0]).view(2, 1, 1, 1)
+    kv.write(0, nodes, nodes, kv.lengths_t[:, None] + torch.arange(4))
+    kv.commit([[0, 2, 3], [0, 1]])  # row 0: a tree path, row 1: a chain
+    assert kv.lengths == [6, 3] and kv.lengths_t.tolist() == [6, 3]
+    assert kv.k[0, 0, 0, 3:6, 0].tolist() == [10, 12, 13]
+    assert kv.k[0, 1, 0, 1:3, 0].tolist() == [110, 111]
+    kv.keep_rows([1])
+    assert kv.lengths == [3] and kv.k.shape[1] == 1 and kv.k[0, 0, 0, 1, 0] == 110
+
+
+def _random_round(engine, gen: torch.Generator, V: int):
+    """A random tree per row (a chain for some), verified and committed along a random path."""
+    b = engine.batch
+    trees = []
+    for _ in range(b):
+        lp, ids = torch.log_softmax(torch.randn(6, V, generator=gen), -1).topk(3, dim=-1)
+        budget = int(torch.randint(0, 12, (1,), generator=gen))
+        trees.append(build_tree(lp[:, :1], ids[:, :1], 6) if budget < 3 else build_tree(lp, ids, budget))
+    q = 1 + max(len(t) for t in trees)
+    bonus = torch.randint(3, V, (b,), generator=gen)
+    tokens = torch.stack([torch.tensor([int(bonus[i]), *t.tokens] + [0] * (q - 1 - len(t))) for i, t in enumerate(trees)])
+    depths = torch.tensor([[0, *t.depths] + [0] * (q - 1 - len(t)) for t in trees])
+    engine.draft(bonus)
+    engine.verify(tokens, depths, torch.stack([t.ancestors(q) for t in trees]))
+    paths = []
+    for t in trees:
+        path, kids = [0], t.children()
+        while kids[path[-1]] and torch.rand(1, generator=gen) < 0.7:
+            options = list(kids[path[-1]].values())
+            path.append(options[int(torch.randint(len(options), (1,), generator=gen))])
+        paths.append(path)
+    engine.commit(paths)
+    return [[int(tokens[i, j]) for j in p] for i, p in enumerate(paths)]
+
+
+@pytest.mark.parametrize("kind", ["full", "layer_types", "window_only"])
+@pytest.mark.parametrize("runner", ["hf", "static"])
+def test_cache_after_commits_equals_fresh_prefill(tiny_target, kind, runner):
+    target = tiny_target if kind == "full" else sliding_targets()[kind]
+    if runner == "static" and kind != "full":
+        pytest.skip("the static runner serves full-attention targets")
+    make = Engine if runner == "hf" else (lambda t, d: static_engine(t, d, fuse=False))
+    drafter = make_tiny_drafter(target)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 120, (n,), generator=gen) for n in (9, 4, 13)]
+    eng = make(target, drafter)
+    eng.prefill(prompts, capacity=16)  # small: the cache must grow
+    committed = [p.tolist() for p in prompts]
+    for _ in range(6):
+        for row, new in zip(committed, _random_round(eng, gen, target.vocab_size)):
+            row += new
+    assert eng.lengths == [len(c) for c in committed]
+    fresh = make(target, drafter)
+    fresh.prefill([torch.tensor(c) for c in committed], capacity=64)
+    for i, n in enumerate(eng.lengths):
+        torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
+    # and the next token's logits agree with the target's own forward over the committed tokens
+    bonus = torch.tensor([5, 6, 7])
+    logits = eng.verify(bonus[:, None], torch.zeros(3, 1, dtype=torch.long))[:, 0]
+    for i, c in enumerate(committed):
+        want = target.model(torch.tensor([c + [int(bonus[i])]])).logits[0, -1]
+        torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
