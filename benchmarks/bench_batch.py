@@ -1,16 +1,17 @@
-"""Batched decoding throughput: AR and DFlash at several batch sizes on the SmolLM2 testbed with the
-bundled drafter, first N HumanEval prompts through the chat template (as `dflashkit eval`).
+"""Batched decoding throughput: AR, DFlash and DDTree at several batch sizes on the SmolLM2 testbed
+with the bundled drafter, first N HumanEval prompts through the chat template (as `dflashkit eval`).
 
 Each configuration decodes the same N prompts in consecutive groups of `batch` (the last group
-may be smaller); batch 1 is today's path (`decode.generate` on `HFEngine`), larger batches
-`batch.generate_batch`. Rows stop at the target's stop tokens or `--max-new-tokens`, so batches
-shrink as rows finish. tokens/s = generated tokens / wall time including prefill; speed-up is
-against AR at batch 1. One untimed warm-up generation per configuration; CUDA is synchronised
-before each clock read. "identical" counts rows whose tokens equal the same method at batch 1
-(greedy; bf16 near-ties may part).
+may be smaller) with `decode.loop.generate_batch` on one engine (`--engine`; 'auto' is the static
+runner with CUDA graphs on a GPU). Rows stop at the target's stop tokens or `--max-new-tokens`, so
+batches shrink as rows finish. tokens/s = generated tokens / wall time including prefill;
+"vs AR" is against AR at the same batch size, "speed-up" against AR at batch 1. One untimed
+warm-up pass per configuration (graph capture, compilation); CUDA is synchronised before each
+clock read. "identical" counts rows whose tokens equal AR's at the same batch size (greedy;
+bf16 near-ties may part).
 
     python benchmarks/bench_batch.py --prompts 8 --max-new-tokens 64 --json runs/bench-batch-cpu.json
-    python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --json runs/bench-batch-h200.json
+    python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 32 --json out.json
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from typing import Any
 
 import torch
 
-from dflashkit.batch import generate_batch
 from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import Generation, HFEngine, generate
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.generation import Generation
+from dflashkit.decode.loop import generate_batch, make_engine
 from dflashkit.demo import bundled_drafter_dir
-from dflashkit.drafter import DFlashDrafter
-from dflashkit.target import Target, load_target
+from dflashkit.target import load_target
 
 
 def sync(device: torch.device) -> None:
@@ -36,32 +37,32 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_group(target: Target, drafter: DFlashDrafter | None, prompts: list[torch.Tensor], method: str,
-              max_new_tokens: int, stop_ids: set[int]) -> list[Generation]:
-    if len(prompts) == 1:
-        engine = HFEngine(target, drafter if method == "dflash" else None)
-        return [generate(engine, prompts[0], method=method, max_new_tokens=max_new_tokens, stop_ids=stop_ids)]
-    return generate_batch(target, drafter if method == "dflash" else None, prompts, method=method,
-                          max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+def parse_method(label: str) -> tuple[str, int | None]:
+    """'ar' | 'dflash' | 'ddtree-N' -> (method, budget)."""
+    name, _, budget = label.partition("-")
+    return name, int(budget) if budget else None
 
 
-def measure(target: Target, drafter: DFlashDrafter, prompts: list[torch.Tensor], method: str, batch: int,
-            max_new_tokens: int, stop_ids: set[int]) -> tuple[float, list[Generation]]:
+def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
+            stop_ids: set[int]) -> tuple[float, list[Generation]]:
+    method, budget = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    run_group(target, drafter, groups[0], method, min(16, max_new_tokens), stop_ids)  # warm-up, untimed
-    sync(target.device)
+    for grp in groups[:2]:  # warm-up, untimed: the full group and a possibly smaller last one
+        generate_batch(engine, grp, method=method, budget=budget, max_new_tokens=min(16, max_new_tokens), stop_ids=stop_ids)
+    sync(engine.target.device)
     t0 = time.perf_counter()
-    gens = [g for grp in groups for g in run_group(target, drafter, grp, method, max_new_tokens, stop_ids)]
-    sync(target.device)
+    gens = [g for grp in groups for g in generate_batch(engine, grp, method=method, budget=budget,
+                                                        max_new_tokens=max_new_tokens, stop_ids=stop_ids)]
+    sync(engine.target.device)
     return time.perf_counter() - t0, gens
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["method", "batch", "tokens", "seconds", "tokens/s", "speed-up", "tau", "identical"]
+    head = ["method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(f"| {r['method']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['identical']}/{r['prompts']} |")
+                     f"{r['vs_ar']:.2f}x | {r['speedup']:.2f}x | {r['tau']:.2f} | {r['identical']}/{r['prompts']} |")
     return "\n".join(lines)
 
 
@@ -69,7 +70,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=8, help="first N HumanEval prompts (default 8)")
     p.add_argument("--batch-sizes", default="1,2,4,8")
-    p.add_argument("--methods", default="ar,dflash")
+    p.add_argument("--methods", default="ar,dflash,ddtree-16", help="comma list of ar, dflash, ddtree-N")
+    p.add_argument("--engine", default="auto", choices=("auto", "hf", "static"))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -83,30 +85,34 @@ def main() -> None:
 
     sizes = sorted(int(b) for b in args.batch_sizes.split(","))
     methods = args.methods.split(",")
-    if 1 not in sizes or "ar" not in methods:
-        raise SystemExit("--batch-sizes must include 1 and --methods must include ar: the speed-up baseline is AR at batch 1")
+    if 1 not in sizes or methods[0] != "ar":
+        raise SystemExit("--batch-sizes must include 1 and --methods must start with ar: the baselines are AR's")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
     prompts = [pr.ids for pr in eval_prompts(load_prompts("humaneval", limit=args.prompts), target.tokenizer)]
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
 
-    rows, first = [], {}
-    for method in methods:
-        for batch in sizes:
-            seconds, gens = measure(target, drafter, prompts, method, batch, args.max_new_tokens, stops)
-            first.setdefault(method, gens)
+    engines = {"ar": make_engine(target, None, args.engine), "spec": make_engine(target, drafter, args.engine)}
+    rows, ar_at = [], {}
+    for batch in sizes:
+        for method in methods:
+            eng = engines["ar" if method == "ar" else "spec"]
+            seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops)
+            ar_at.setdefault(batch, gens)
             tokens = sum(len(g.tokens) for g in gens)
             rounds = sum(g.rounds for g in gens)
             rows.append({"method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
                          "seconds": seconds, "tokens_per_s": tokens / seconds,
                          "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
-                         "identical": sum(g.tokens == f.tokens for g, f in zip(gens, first[method]))})
+                         "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[batch]))})
             print(f"{method} batch {batch}: {tokens / seconds:.1f} tokens/s", flush=True)
     base = next(r for r in rows if r["method"] == "ar" and r["batch"] == 1)["tokens_per_s"]
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base
+        r["vs_ar"] = r["tokens_per_s"] / next(a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"])["tokens_per_s"]
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype,
+                "engine": args.engine, "runner": type(engines["spec"].run).__name__,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
                 "drafter": str(args.drafter or "bundled smollm2-drafter")}
     print(f"\n{settings}\n\n{table(rows)}")

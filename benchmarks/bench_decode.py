@@ -98,9 +98,12 @@ def self_check(device: torch.device) -> str:
     bad = []
     for name, make in engines(device, compile_ok=False).items():
         for method, budget in [("ar", None), ("dflash", None), ("ddtree", 12)]:
-            eng = make(target, drafter if method != "ar" else None)
-            if generate(eng, ids, max_new_tokens=24, method=method, budget=budget).tokens != ref:
-                bad.append(f"{name}/{method}")
+            try:
+                eng = make(target, drafter if method != "ar" else None)
+                if generate(eng, ids, max_new_tokens=24, method=method, budget=budget).tokens != ref:
+                    bad.append(f"{name}/{method}")
+            except Exception as e:  # report it with the others: one engine failing must not hide the rest
+                bad.append(f"{name}/{method} ({type(e).__name__}: {e})"[:300])
     return "ok" if not bad else "MISMATCH " + ", ".join(bad)
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.decode.engine import make_engine
+from dflashkit.decode.loop import make_engine
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate
 from dflashkit.decode.tree import Tree, build_tree, walk

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflashkit.decode.engine import make_engine
+from dflashkit.decode.loop import make_engine
 from dflashkit.decode.generation import Generator
 from dflashkit.decode.loop import DecodingGenerator
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.decode.engine import make_engine
+from dflashkit.decode.loop import make_engine
 from dflashkit.decode.generation import METHODS, Sampling
 from dflashkit.decode.loop import generate
 

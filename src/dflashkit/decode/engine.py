@@ -206,18 +206,3 @@ class Engine:
             self.dcache.keep_rows(rows)
         self.pending = self.pending[idx]
         self.pending_counts = [self.pending_counts[r] for r in rows]
-
-
-def make_engine(target: Target, drafter: DFlashDrafter | None, kind: str = "auto") -> Engine:
-    """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': on
-    CUDA, for the targets the static runner supports, static + torch.compile + fused q/k/v and
-    gate/up weights (the fastest measured, docs/benchmarks.md), else hf."""
-    from dflashkit.decode import static
-
-    if kind not in ("auto", "hf", "static"):
-        raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
-    if kind == "auto" and target.device.type == "cuda" and static.supported(target) is None:
-        return static.static_engine(target, drafter, compile=True)
-    if kind == "static":
-        return static.static_engine(target, drafter)
-    return Engine(target, drafter)

@@ -36,7 +36,11 @@ from torch import Tensor
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
+from dflashkit.decode.static import static_engine, supported
 from dflashkit.decode.tree import Tree, build_tree, walk
+
+
+RESERVE = 2048  # answer tokens the caches make room for at the start
 
 
 class _Stages:
@@ -148,7 +152,10 @@ def decode_stream(
     stages = _Stages(profile, dev)
 
     t0 = time.perf_counter()
-    logits = engine.prefill(prompts, capacity=max(len(p) + m for p, m in zip(prompts, limits)) + (budget or 0) + 2 * B)
+    # Room for the answer up to a few thousand tokens; the caches grow beyond that only if the
+    # answer does (a request without a token limit must not reserve the model's whole context).
+    room = max(len(p) + min(m, RESERVE) for p, m in zip(prompts, limits)) + (budget or 0) + 2 * B
+    logits = engine.prefill(prompts, capacity=room)
     bonus = row_tokens(logits[:, None], samplings, gens)[:, 0]  # [b], stays on the device
     first = bonus.tolist()  # waits for the prefill: time to first token is honest on CUDA too
     prefill_s = time.perf_counter() - t0
@@ -204,6 +211,19 @@ def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
         raise ValueError(f"prompt_ids: expected shape [1, T] or [T], got {tuple(prompt_ids.shape)}; "
                          "use generate_batch for several prompts")
     return generate_batch(engine, [prompt_ids], **kw)[0]
+
+
+def make_engine(target: Any, drafter: Any, kind: str = "auto") -> Engine:
+    """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': on
+    CUDA, for the targets the static runner supports, static + torch.compile + fused q/k/v and
+    gate/up weights (the fastest measured, docs/benchmarks.md), else hf."""
+    if kind not in ("auto", "hf", "static"):
+        raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
+    if kind == "auto" and target.device.type == "cuda" and supported(target) is None:
+        return static_engine(target, drafter, compile=True)
+    if kind == "static":
+        return static_engine(target, drafter)
+    return Engine(target, drafter)
 
 
 class DecodingGenerator:
