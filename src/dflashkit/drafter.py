@@ -370,19 +370,19 @@ def draft_block(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor,
     n = max(length + k for length, k in zip(cache.lengths, counts)) + B
     cache.reserve(max(n, max(cache.lengths) + c))
     start = cache.lengths_t + torch.tensor(counts, device=dev)
-    h = draft_step(drafter, embed, cache, new_features, bonus, start, n)
+    h = draft_step(drafter, embed, cache, new_features, bonus, cache.lengths_t, start, n)
     cache.advance(counts)
     return h
 
 
-def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, bonus: Tensor, start: Tensor,
-               n: int) -> Tensor:
-    """The tensor part of `draft_block` (no host synchronisation, so CUDA graphs can capture it):
-    context rows at cache.lengths_t + j, the block at start [b], attention over n slots under
-    the rule of `masks.visible`."""
+def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, bonus: Tensor, ctx_start: Tensor,
+               start: Tensor, n: int) -> Tensor:
+    """The tensor part of `draft_block` (no host synchronisation, and every tensor it reads
+    passed in, so CUDA graphs can capture it): context rows at ctx_start [b] + j, the block at
+    start [b], attention over n slots of `cache` under the rule of `masks.visible`."""
     cfg = drafter.config
     c, dev = new_features.shape[1], new_features.device
-    ctx_slots = cache.lengths_t[:, None] + torch.arange(c, device=dev)
+    ctx_slots = ctx_start[:, None] + torch.arange(c, device=dev)
     blk_slots = start[:, None] + torch.arange(cfg.block_size, device=dev)
     emb = embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
     lm = masks_mod.layer_masks(masks_mod.inference_layout(start, cfg.block_size, n), cfg.layer_types, cfg.sliding_window)

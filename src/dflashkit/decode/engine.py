@@ -107,6 +107,7 @@ class Engine:
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
+        self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
         self.cache = KVCache(target.num_layers)
         self.dcache = drafter.new_cache() if drafter is not None else None
 
@@ -157,8 +158,8 @@ class Engine:
             self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
         return self.target.lm_head(torch.stack(last))
 
-    def _draft_step(self, feats: Tensor, bonus: Tensor, start: Tensor, n: int) -> Tensor:
-        h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, start, n)
+    def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
+        h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, ctx_start, start, n)
         return self.target.lm_head(h[:, 1:])
 
     @torch.no_grad()
@@ -168,10 +169,10 @@ class Engine:
         feats, step = self.pending, self._draft_step  # the prompt's context: any length, run as it is
         if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
-            step = self.draft_step
-        n = max(self.lengths) + B
-        dc.reserve(max(n, max(dc.lengths) + feats.shape[1]))
-        out = step(feats, bonus, self.cache.lengths_t, n)
+            step = self.draft_step if dc.k is not None else step  # buffers are allocated outside any graph
+        dc.reserve(max(max(self.lengths), max(dc.lengths) + feats.shape[1]) + B)
+        n = min(-(-(max(self.lengths) + B) // self.slot_bucket) * self.slot_bucket, dc.capacity)
+        out = step(feats, bonus, dc.lengths_t, self.cache.lengths_t, n)
         dc.advance(self.pending_counts)
         return out
 

@@ -229,7 +229,8 @@ class StaticRunner:
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
         self.cache = cache
         n = min(-(-n // SLOT_BUCKET) * SLOT_BUCKET, cache.capacity)
-        use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS
+        # Buffers are allocated at the first write, which must not happen inside a graph capture.
+        use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
         return (self.graphed if use_graph else self._step)(tokens, depths, ancestors, cache.lengths_t, n)
 
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -260,6 +261,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
     runner = StaticRunner(target, layer_ids, cuda_graphs=graphs, compile=compile, fuse=fuse)
     engine = Engine(target, drafter, runner)
+    engine.slot_bucket = SLOT_BUCKET
     if graphs and drafter is not None:
         engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
     return engine
