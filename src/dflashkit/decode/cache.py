@@ -10,6 +10,10 @@ position works for every layer kind.
 Rollback is one operation, `commit`: row i keeps the verified nodes `keep[i]` (a path, root
 first) and moves them to slots lengths[i].., a chain being the path 0, 1, 2, ... that moves
 nothing. Recurrent layers (conv and recurrent state per row) belong behind the same `commit`.
+
+The buffers keep their addresses while rows come and go (`k` is a view of the first b rows of a
+storage allocated for the most rows seen): CUDA graphs captured over them stay valid, and a
+graph captured for b rows serves every later batch of b rows.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from torch import Tensor
 class KVCache:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
-        self.k: Tensor | None = None  # [L, b, kv_heads, capacity, head_dim]
+        self.k: Tensor | None = None  # [L, b, kv_heads, capacity, head_dim]: a view of the first b rows of _k
         self.v: Tensor | None = None
+        self._k: Tensor | None = None  # storage [L, rows, kv_heads, capacity, head_dim]
+        self._v: Tensor | None = None
         self.lengths: list[int] = []  # committed positions per row (host copy: no device sync to read it)
         self.lengths_t: Tensor | None = None  # the same on the device, [b]
         self.reserved = 0  # slots the next write may touch
@@ -42,8 +48,7 @@ class KVCache:
         """Forget everything: `batch` empty rows (buffers are kept when their shape allows)."""
         self.lengths = [0] * batch
         self.lengths_t = torch.zeros(batch, dtype=torch.long, device=device)
-        if self.k is not None and self.k.shape[1] != batch:
-            self.k = self.v = None
+        self._view(batch)
 
     def reserve(self, slots: int) -> None:
         """Make room for writes up to slot `slots` - 1; grows the buffers (doubling) if needed."""
@@ -54,18 +59,25 @@ class KVCache:
     def _resize(self, capacity: int) -> None:
         capacity = _aligned(capacity)
         L, b, h, old, d = self.k.shape
-        k = self.k.new_zeros(L, b, h, capacity, d)
-        v = torch.zeros_like(k)
-        n = min(old, capacity)
-        k[:, :, :, :n], v[:, :, :, :n] = self.k[:, :, :, :n], self.v[:, :, :, :n]
-        self.k, self.v = k, v
+        self._k = self.k.new_zeros(L, b, h, capacity, d)
+        self._v = torch.zeros_like(self._k)
+        self._k[:, :, :, :old], self._v[:, :, :, :old] = self.k, self.v
+        self._view(b)
+
+    def _view(self, batch: int) -> None:
+        """k/v = the first `batch` rows of the storage (dropped when too small: the next write allocates)."""
+        if self._k is not None and self._k.shape[1] < batch:
+            self._k = self._v = None
+        self.k = None if self._k is None else self._k[:, :batch]
+        self.v = None if self._v is None else self._v[:, :batch]
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
         """k/v [b, kv_heads, t, head_dim] of one layer into slots [b, t] (per row)."""
         if self.k is None:
             b, h, _, d = k.shape
-            self.k = k.new_zeros(self.num_layers, b, h, self.capacity, d)
-            self.v = torch.zeros_like(self.k)
+            self._k = k.new_zeros(self.num_layers, b, h, self.capacity, d)
+            self._v = torch.zeros_like(self._k)
+            self._view(b)
         idx = slots[:, None, :, None].expand(k.shape)
         self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
         self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
@@ -101,7 +113,10 @@ class KVCache:
         self.lengths = [self.lengths[r] for r in rows]
         self.lengths_t = self.lengths_t[idx]
         if self.k is not None:
-            self.k, self.v = self.k[:, idx], self.v[:, idx]
+            n = max(self.lengths, default=0)  # only committed slots need to move
+            k, v = self.k[:, idx, :, :n], self.v[:, idx, :, :n]  # gathered copies: sources and destinations overlap
+            self._view(len(rows))
+            self.k[:, :, :, :n], self.v[:, :, :, :n] = k, v
 
 
 def _aligned(slots: int) -> int:
