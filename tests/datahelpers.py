@@ -45,9 +45,9 @@ def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: in
     return path
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflashkit.cli", *args], capture_output=True, text=True,
-                          env=CHILD_ENV, timeout=timeout)
+                          env={**CHILD_ENV, **(env or {})}, timeout=timeout)
 
 
 def start_cli(*args: str) -> subprocess.Popen:

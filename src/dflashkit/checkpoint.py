@@ -43,11 +43,12 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def remove_stale_temp_files(directory: Path) -> list[Path]:
+def remove_stale_temp_files(directory: Path, name: str | None = None) -> list[Path]:
     """Remove temp files (and directories) in `directory` left by writers that were killed:
-    those named by `temp_path` whose process is gone (or is us: we have written nothing yet)."""
+    those named by `temp_path` (for file `name` only, if given) whose process is gone, or is us
+    (called at the start of a run, we have written nothing yet)."""
     removed = []
-    for p in Path(directory).glob(".*.tmp"):
+    for p in Path(directory).glob(f".{name}.*.tmp" if name else ".*.tmp"):
         m = _TEMP.match(p.name)
         if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
             if p.is_dir():
@@ -75,7 +76,7 @@ def fault_point(name: str) -> None:
         os._exit(137)
 
 
-def _atomic_save(save_fn, path: Path) -> None:
+def atomic_save(save_fn, path: Path) -> None:
     """`save_fn(tmp)` writes the file under a temporary name, then it is renamed into place."""
     path = Path(path)
     tmp = temp_path(path)
@@ -90,7 +91,7 @@ def _atomic_save(save_fn, path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_save(lambda tmp: Path(tmp).write_bytes(data), path)
+    atomic_save(lambda tmp: Path(tmp).write_bytes(data), path)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -105,10 +106,10 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype
     tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     cfg = drafter.config.to_json_dict()
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    _atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), path / WEIGHTS)
+    atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), path / WEIGHTS)
     atomic_write_json(path / CONFIG, cfg)
     if training_state is not None:
-        _atomic_save(lambda tmp: torch.save(training_state, tmp), path / TRAINING_STATE)
+        atomic_save(lambda tmp: torch.save(training_state, tmp), path / TRAINING_STATE)
     return path
 
 
@@ -180,6 +181,30 @@ def target_problems(config: DrafterConfig, target: Any) -> list[str]:
         gen = getattr(target.model, "generation_config", None)
         p += mask_token_problems(config.mask_token_id, target.tokenizer, target.vocab_size, gen)
     return p
+
+
+# Sizes a Transformers config must hold as positive integers (Transformers divides by them).
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+          "vocab_size", "head_dim")
+
+
+def check_model_config(path: Path) -> None:
+    """A model directory's config.json, checked before Transformers reads it: a JSON object whose
+    sizes are positive integers (else Transformers fails with a TypeError or ZeroDivisionError)."""
+    f = Path(path) / CONFIG
+    if not f.is_file():
+        return
+    try:
+        raw = json.loads(f.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{f}: top level is a {type(raw).__name__}, expected a JSON object (a model config)")
+    sections = [raw] + [v for k, v in raw.items() if k.endswith("_config") and isinstance(v, dict)]
+    bad = [f"{k}={c[k]!r}" for c in sections for k in _SIZES
+           if k in c and c[k] is not None and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)]
+    if bad:
+        raise CheckpointError(f"{f}: {', '.join(bad)}: expected positive integers")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -108,8 +108,11 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
         records = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records}[suffix](path)
         return _collect(records, origin=str(path), unit="line" if suffix == ".jsonl" else "record",
                         id_prefix=path.stem, source=str(path), limit=limit)
-    if suffix in FILE_SUFFIXES:
-        raise FileNotFoundError(f"{path}: no such prompt file")
+    # A name with a file suffix in an existing directory, or an explicit path, is a file that is
+    # missing (a typo such as `p.jsnol`), not a Hugging Face dataset name (`org/name`).
+    if suffix in FILE_SUFFIXES or name.startswith((".", "/", "~")) or (suffix and path.parent.is_dir()):
+        raise FileNotFoundError(f"{path}: no such prompt file (expected an existing {', '.join(FILE_SUFFIXES)} file, "
+                                f"{' or '.join(BUILTIN_NAMES)}, or a Hugging Face dataset name)")
     return _load_hf_dataset(name, split=split, limit=limit)
 
 
