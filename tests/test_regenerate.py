@@ -126,3 +126,27 @@ def test_http_client_errors_are_not_retried(failing_server):
     assert time.perf_counter() - t0 < 1.0  # no backoff sleeps
     with httpx.Client() as client, pytest.raises(RequestFailed, match="gave up after 2 attempts"):
         post_with_retries(client, "http://127.0.0.1:9/v1/chat/completions", {}, retries=1, backoff=0.01, timeout=5)
+
+
+def test_http_read_timeouts_are_not_retried_and_retries_are_counted(tmp_path, monkeypatch):
+    """A request the server may still be computing is not sent again (no duplicate queued behind
+    it); refused attempts are retried and every retry is counted, also of requests that failed."""
+    from functools import partial
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls.append(body["messages"][-1]["content"])
+        if body["messages"][-1]["content"] == "slow":
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    monkeypatch.setattr(httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(handler)))
+    convs = [Conversation("a", [{"role": "user", "content": "slow"}], "t"),
+             Conversation("b", [{"role": "user", "content": "busy"}], "t")]
+    stats = regenerate_http("http://x/v1", convs, tmp_path / "o.jsonl", GenerationParams(max_new_tokens=4), model="m",
+                            concurrency=1, retries=5, backoff=0.001, timeout=1)
+    assert calls.count("slow") == 1 and calls.count("busy") == 6
+    assert "not retried" in stats.failed["a"] and "gave up after 6 attempts" in stats.failed["b"]
+    assert stats.retries == 5 and stats.written == 0
