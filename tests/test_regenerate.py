@@ -150,3 +150,17 @@ def test_http_read_timeouts_are_not_retried_and_retries_are_counted(tmp_path, mo
     assert calls.count("slow") == 1 and calls.count("busy") == 6
     assert "not retried" in stats.failed["a"] and "gave up after 6 attempts" in stats.failed["b"]
     assert stats.retries == 5 and stats.written == 0
+
+
+def test_cli_counts_malformed_prompt_lines_and_takes_overrides_after_options(tiny_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Say hi."}\n{not json\n{"id": "b", "prompt": "Name a fruit."}\n')
+    out = tmp_path / "o.jsonl"
+    # Overrides before and after the options.
+    res = run_cli("regenerate", f"target.path={tiny_dir}", "--out", str(out), f"data.prompts={prompts}",
+                  "data.max_new_tokens=2", "target.device=cpu")
+    assert res.returncode == 0, res.stderr
+    assert "2 answers written" in res.stdout and "1 malformed prompt records skipped" in res.stdout
+    assert f"{prompts}:2: invalid JSON" in res.stdout
+    typo = run_cli("regenerate", "--out", str(out), f"data.prompts={tmp_path / 'p.jsnol'}", f"target.path={tiny_dir}")
+    assert typo.returncode == 1 and "p.jsnol: no such prompt file" in typo.stderr and "Traceback" not in typo.stderr

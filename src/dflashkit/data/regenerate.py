@@ -325,7 +325,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
-    from dflashkit.data.prompts import load_prompts
+    from dflashkit.data.prompts import load_prompts_report
 
     cfg = config_from_args(args)
     d = cfg.data
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("regenerate needs an output file: --out PATH or data.regenerated=PATH")
     if args.concurrency < 1 or args.retries < 0 or args.timeout <= 0:
         raise ValueError("--concurrency must be >= 1, --retries >= 0 and --timeout > 0")
-    convs = load_prompts(d.prompts, limit=d.limit)
+    convs, problems = load_prompts_report(d.prompts, limit=d.limit)
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
@@ -348,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
                                 timeout=args.timeout, retries=args.retries)
     print(f"{out}: {stats.written} answers written, {stats.already_done} already there, {len(stats.failed)} failed; "
           f"{stats.completion_tokens} tokens in {stats.seconds:.1f}s ({stats.tokens_per_s:.1f} tokens/s)"
-          + (f", {stats.retries} retries" if args.backend == "http" else ""))
+          + (f", {stats.retries} retries" if args.backend == "http" else "")
+          + (f"; {len(problems)} malformed prompt records skipped (first: {problems[0]})" if problems else ""))
     if stats.failed:
         print(f"failed ids (re-run to retry them): {', '.join(sorted(stats.failed)[:20])}"
               + (" ..." if len(stats.failed) > 20 else ""))
