@@ -544,7 +544,11 @@ def find_resume(out_dir: Path, resume: bool | str | None) -> Path | None:
         latest = out_dir / "latest.json"
         if not latest.is_file():
             raise FileNotFoundError(f"--resume: {latest} does not exist (no checkpoint was written in {out_dir} yet)")
-        path = out_dir / json.loads(latest.read_text())["checkpoint"]
+        try:
+            path = out_dir / json.loads(latest.read_text())["checkpoint"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--resume: {latest} is malformed ({type(e).__name__}: {e}); expected "
+                             '{"step": N, "checkpoint": "checkpoints/step-..."}; use --resume-from CKPT') from None
     else:
         path = Path(resume)
     if not (path / "training_state.pt").is_file():

@@ -122,7 +122,10 @@ def to_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike[str]
     path.parent.mkdir(parents=True, exist_ok=True)
     # Same directory so that os.replace is a rename on one file system; a plain open (not mkstemp)
     # so that the file gets the usual umask permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    from dflashkit.checkpoint import remove_stale_temp_files, temp_path
+
+    remove_stale_temp_files(path.parent, path.name)  # left by a killed run
+    tmp = temp_path(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for conv in conversations:
