@@ -1,5 +1,7 @@
 """regenerate --backend http against a server that cannot answer in time (docs/reliability.md, row S8)."""
-import sys, time, httpx, json
+import sys
+
+import httpx
 sys.path.insert(0, "tests")
 from datahelpers import live_server, run_cli
 from pathlib import Path
