@@ -37,11 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
+
+from dflashkit.config import Float, Int  # numbers without booleans (JSON true is no max_tokens)
 
 try:  # the `serve` extra; a module-level name, as FastAPI resolves the handlers' annotations here
     from starlette.requests import Request
@@ -252,37 +254,27 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
-def _not_bool(value: Any) -> Any:
-    if isinstance(value, bool):  # JSON true is no number (pydantic would read it as 1)
-        raise ValueError("expected a number, not a boolean")
-    return value
-
-
-_Int = Annotated[int, BeforeValidator(_not_bool)]
-_Float = Annotated[float, BeforeValidator(_not_bool)]
-
-
 class _Common(BaseModel):
     # extra="allow": clients send fields we accept and ignore (user, ...); numbers must be finite.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
-    max_tokens: _Int | None = Field(None, ge=1)
-    temperature: _Float = Field(1.0, ge=0.0, le=2.0)
-    top_p: _Float = Field(1.0, gt=0.0, le=1.0)
-    n: _Int = 1
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    n: Int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    seed: _Int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[_Int]
+    prompt: str | list[str] | list[Int]
 
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: _Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
