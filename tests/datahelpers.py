@@ -29,7 +29,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0) -> Path:
+def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0, context: int = 1024) -> Path:
     """A random Llama with SmolLM2's vocabulary and tokenizer (chat template included)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,16 +38,16 @@ def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: in
     tok = load_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflashkit.cli", *args], capture_output=True, text=True,
-                          env=CHILD_ENV, timeout=timeout)
+                          env={**CHILD_ENV, **(env or {})}, timeout=timeout)
 
 
 def start_cli(*args: str) -> subprocess.Popen:

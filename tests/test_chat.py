@@ -153,6 +153,7 @@ def test_tokenize_file(tok, tmp_path):
                          "completion_ids": [t for ch in "yes, 2+2=4." for t in encode(tok, ch)] + [2]})]
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "tok.jsonl"
+    (tmp_path / ".tok.jsonl.999999999.tmp").write_text("{")  # left by a killed run (no such process)
     stats = tokenize_file(src, tok, out, max_length=512)
     assert stats.written == 3 and stats.dropped_unsupervised == 2 and stats.conversations == 5 and stats.target_ids == 1
     assert len(stats.problems) == 1 and stats.problems[0].startswith(f"{src}:3:")

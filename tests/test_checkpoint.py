@@ -142,3 +142,51 @@ def test_mask_token_rules_smollm2(smollm2, tmp_path):
     save_drafter(drafter, tmp_path / "eos")
     with pytest.raises(CheckpointError, match="BOS/EOS/PAD/stop token"):
         load_drafter(tmp_path / "eos", smollm2)
+
+
+class _Payload:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_crafted_training_state_does_not_run_code(tmp_path):
+    from dflashkit.checkpoint import load_training_state
+
+    marker = tmp_path / "pwned"
+    (tmp_path / "ck").mkdir()
+    torch.save({"step": 1, "evil": _Payload(str(marker))}, tmp_path / "ck" / "training_state.pt")
+    with pytest.raises(CheckpointError, match=r"ck/training_state.pt: not a training state .* safely"):
+        load_training_state(tmp_path / "ck")
+    assert not marker.exists()
+
+
+def test_malformed_training_state_and_truncated_weights(tiny_target, tmp_path):
+    from dflashkit.checkpoint import load_training_state
+
+    d = make_tiny_drafter(tiny_target)
+    save_drafter(d, tmp_path / "ck", training_state={"step": 7})
+    with pytest.raises(CheckpointError, match=r"training_state.pt: malformed training state, missing version"):
+        load_training_state(tmp_path / "ck")
+    w = tmp_path / "ck" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"ck/model.safetensors: not a readable safetensors file"):
+        load_drafter(tmp_path / "ck", tiny_target)
+    (tmp_path / "ck" / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config.json: top level is a list, expected a JSON object"):
+        load_drafter(tmp_path / "ck", tiny_target)
+
+
+def test_files_respect_the_umask(tiny_target, tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        save_drafter(make_tiny_drafter(tiny_target), tmp_path / "ck")
+    finally:
+        os.umask(old)
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "ck").iterdir()} == {"0o644"}

@@ -59,3 +59,43 @@ def test_cli_config_prints_and_fails_cleanly(capsys):
     assert main(["config", "train.lr=x"]) == 1
     err = capsys.readouterr().err
     assert "train.lr" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.max_steps=true", r"field 'train.max_steps'.*not a boolean"),
+    ("train.lr=.inf", r"field 'train.lr'.*finite number"),
+    ("train.tensorboard=1", r"field 'train.tensorboard'.*valid boolean"),
+    ("data.seed=1180591620717411303424", r"field 'data.seed'.*less than or equal"),
+    ("drafter.target_layer_ids=[1,-2]", r"field 'drafter.target_layer_ids.1'.*greater than or equal to 0"),
+])
+def test_numbers_are_strict(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+    assert load_config(None, ["train.lr=1e-3", "train.max_steps=5"]).train.max_steps == 5  # YAML strings still parse
+
+
+def test_default_taps_are_distinct():
+    assert default_target_layer_ids(4, 2) == [1, 2]  # the formula would give [1, 1]
+    assert default_target_layer_ids(4, 3) == [0, 1, 2]
+    for L in range(2, 40):
+        for n in range(1, L):
+            ids = default_target_layer_ids(L, n)
+            assert len(set(ids)) == n and all(0 <= i < L for i in ids) and (n == 1 or L - 1 not in ids), (L, n, ids)
+    with pytest.raises(ValueError, match="too shallow for 4 distinct taps"):
+        default_target_layer_ids(4, 4)
+
+
+def test_cli_error_boundary(tmp_path, capsys, monkeypatch):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(bytes(range(256)))
+    assert main(["config", "--config", str(f)]) == 1
+    assert f"{f}: not a text file" in capsys.readouterr().err
+    # An unexpected exception is a bug: one line saying so, the traceback behind --debug.
+    monkeypatch.setattr("dflashkit.config.dump_config", lambda cfg: {}["boom"])
+    assert main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert "internal error: KeyError: 'boom'" in err and "--debug" in err and "Traceback" not in err
+    with pytest.raises(KeyError):
+        main(["config", "--debug"])
+    with pytest.raises(SystemExit):  # not an override: argparse's usage error
+        main(["config", "--bogus"])

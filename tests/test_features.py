@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 import torch
 
-from datahelpers import one_thread, run_cli, save_tiny_target, start_cli, wait_until  # noqa: F401
+from datahelpers import one_thread, run_cli, save_tiny_target  # noqa: F401
+from dflashkit.checkpoint import FAULT_ENV
 from dflashkit.cli import main as cli_main
 from dflashkit.data.chat import TokenizedSample, tokenize_conversation
 from dflashkit.data.check import Comparison
@@ -85,7 +85,9 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_extract_kill_and_resume(tiny_dir, tmp_path):
-    samples = random_samples(400, lo=24, hi=64)
+    """Killed (deterministically, by the process itself) between writing shard 2's JSON under its
+    temporary name and renaming it: the resumed run removes the temp file and redoes shard 2."""
+    samples = random_samples(120, lo=24, hi=64)
     tok_file = tmp_path / "tok.jsonl"
     tok_file.write_text("".join(json.dumps(s.__dict__) + "\n" for s in samples))
     target = load_target(tiny_dir)
@@ -94,15 +96,11 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path):
     out = tmp_path / "out"
     args = ["extract", "--input", str(tok_file), "--out", str(out), "--shard-size", "200", f"target.path={tiny_dir}",
             "drafter.target_layer_ids=[1,3]", "drafter.num_taps=2", "data.batch_size=4"]
-    proc = start_cli(*args)
-    try:
-        assert wait_until(lambda: len(list(out.glob("shard-*.json"))) >= 2, proc), proc.stdout.read()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        proc.kill()
-    done = len(list(out.glob("shard-*.json")))
-    assert 2 <= done < ref["num_shards"] and not (out / "manifest.json").exists()
+    killed = run_cli(*args, env={FAULT_ENV: "replace shard-00002.json"})
+    assert killed.returncode == 137, killed.stderr
+    assert sorted(p.name for p in out.glob("shard-*.json")) == ["shard-00000.json", "shard-00001.json"]
+    assert len(list(out.glob(".shard-00002.json.*.tmp"))) == 1  # what the kill left behind
+    assert not (out / "manifest.json").exists() and ref["num_shards"] > 3
     with pytest.raises(FileNotFoundError, match="unfinished"):
         FeatureCache(out)
     res = run_cli(*args)
@@ -116,6 +114,19 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path):
 
     with pytest.raises(ValueError, match="other settings .*dtype"):
         extract_features(target, samples, [1, 3], out, dtype="fp8", batch_size=4, shard_size=200)
+    # Same ids and lengths, other content (re-tokenised): the stale shards are not reused.
+    changed = [TokenizedSample(s.id, [t + 1 for t in s.input_ids], s.loss_mask) for s in samples]
+    with pytest.raises(ValueError, match=r"samples_sha256 differ \(the input samples' content changed\)"):
+        extract_features(target, changed, [1, 3], out, batch_size=4, shard_size=200)
+
+
+def test_extract_refuses_token_ids_outside_the_vocabulary(tiny_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "input_ids": [5, -3, 7], "loss_mask": [0, 1, 1]}) + "\n")
+    res = run_cli("extract", "--input", str(bad), "--out", str(tmp_path / "f"), f"target.path={tiny_dir}",
+                  "drafter.num_taps=2")
+    assert res.returncode == 1 and "sample 'a': token id -3 is outside the target's vocabulary" in res.stderr, res.stderr
+    assert not (tmp_path / "f" / "settings.json").exists()
 
 
 def test_ranks_write_disjoint_shards(tiny_dir, tmp_path):

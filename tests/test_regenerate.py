@@ -126,3 +126,41 @@ def test_http_client_errors_are_not_retried(failing_server):
     assert time.perf_counter() - t0 < 1.0  # no backoff sleeps
     with httpx.Client() as client, pytest.raises(RequestFailed, match="gave up after 2 attempts"):
         post_with_retries(client, "http://127.0.0.1:9/v1/chat/completions", {}, retries=1, backoff=0.01, timeout=5)
+
+
+def test_http_read_timeouts_are_not_retried_and_retries_are_counted(tmp_path, monkeypatch):
+    """A request the server may still be computing is not sent again (no duplicate queued behind
+    it); refused attempts are retried and every retry is counted, also of requests that failed."""
+    from functools import partial
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls.append(body["messages"][-1]["content"])
+        if body["messages"][-1]["content"] == "slow":
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    monkeypatch.setattr(httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(handler)))
+    convs = [Conversation("a", [{"role": "user", "content": "slow"}], "t"),
+             Conversation("b", [{"role": "user", "content": "busy"}], "t")]
+    stats = regenerate_http("http://x/v1", convs, tmp_path / "o.jsonl", GenerationParams(max_new_tokens=4), model="m",
+                            concurrency=1, retries=5, backoff=0.001, timeout=1)
+    assert calls.count("slow") == 1 and calls.count("busy") == 6
+    assert "not retried" in stats.failed["a"] and "gave up after 6 attempts" in stats.failed["b"]
+    assert stats.retries == 5 and stats.written == 0
+
+
+def test_cli_counts_malformed_prompt_lines_and_takes_overrides_after_options(tiny_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Say hi."}\n{not json\n{"id": "b", "prompt": "Name a fruit."}\n')
+    out = tmp_path / "o.jsonl"
+    # Overrides before and after the options.
+    res = run_cli("regenerate", f"target.path={tiny_dir}", "--out", str(out), f"data.prompts={prompts}",
+                  "data.max_new_tokens=2", "target.device=cpu")
+    assert res.returncode == 0, res.stderr
+    assert "2 answers written" in res.stdout and "1 malformed prompt records skipped" in res.stdout
+    assert f"{prompts}:2: invalid JSON" in res.stdout
+    typo = run_cli("regenerate", "--out", str(out), f"data.prompts={tmp_path / 'p.jsnol'}", f"target.path={tiny_dir}")
+    assert typo.returncode == 1 and "p.jsnol: no such prompt file" in typo.stderr and "Traceback" not in typo.stderr

@@ -169,3 +169,96 @@ def test_time_budget_fits_the_schedule_to_the_steps_that_fit(tmp_path):
     assert 2 < last < 400  # fitted from the first timed step, far below the provisional 1000
     lrs = losses(out, key="lr")
     assert lrs[last] < 0.05 * max(lrs.values())  # the cosine reached (almost) zero at the fitted end
+
+
+# ---- the run directory, divergence, the mask token ---------------------------------------------
+
+
+def test_a_used_directory_is_refused_locked_and_pruned_by_step(tmp_path):
+    import fcntl
+
+    from dflashkit.train import save_checkpoint
+
+    out = tmp_path / "run"
+    run_job(str(out), ["train.max_steps=2", "train.eval_every=1000"])
+    first = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"holds an earlier run .*--resume .*--overwrite"):
+        run_job(str(out), ["train.max_steps=2"])
+    assert (out / "metrics.jsonl").read_text() == first  # untouched
+    with open(out / ".lock", "a") as held:  # another run holds the directory
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match=r"in use by another `train` run"):
+            run_job(str(out), ["train.max_steps=2"], resume=True)
+    (out / ".latest.json.999999999.tmp").write_text("{")  # a temp file of a killed writer
+    run_job(str(out), ["train.max_steps=2", "train.eval_every=1000"], overwrite=True)
+    assert not (out / ".latest.json.999999999.tmp").exists()
+    assert sorted(losses(out)) == [1, 2]  # the new run's log only
+
+    # Pruning goes by step number and keeps the checkpoint just written (what latest.json names).
+    old = out / "checkpoints" / "step-00000500"
+    old.mkdir()
+    drafter = load_drafter(out / "final")
+    save_checkpoint(out, 10, drafter, {"step": 10}, keep_last=1)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000010"]
+    save_checkpoint(out, 11, drafter, {"step": 11}, keep_last=2)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000010", "step-00000011"]
+    assert json.loads((out / "latest.json").read_text())["checkpoint"] == "checkpoints/step-00000011"
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoints(tmp_path, monkeypatch):
+    from dflashkit import train as train_mod
+
+    real = train_mod.Trainer.step
+    calls = []
+
+    def poisoned(self, *a, **k):  # the weights blow up before the third step
+        calls.append(1)
+        if len(calls) == 3:
+            with torch.no_grad():
+                for m in self.master:
+                    m.mul_(float("inf"))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(train_mod.Trainer, "step", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(train_mod.DivergedError, match=r"diverged at step 3: non-finite loss"):
+        run_job(str(out), ["train.max_steps=4", "train.save_every=1", "train.eval_every=2"])
+    assert json.loads((out / "latest.json").read_text())["step"] == 2
+    assert json.loads((out / "best.json").read_text())["step"] == 2
+    for d in (out / "best", out / "checkpoints" / "step-00000002"):
+        assert all(torch.isfinite(v).all() for v in load_drafter(d).state_dict().values())
+    assert not (out / "final").exists() and not (out / "checkpoints" / "step-00000003").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_cli_data(tmp_path_factory):
+    """A tiny random target with SmolLM2's tokenizer on disk, and a tokenized file for it."""
+    from datahelpers import save_tiny_target
+
+    root = tmp_path_factory.mktemp("cli")
+    target = save_tiny_target(root / "model")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "tok.jsonl", "w") as f:
+        for i in range(12):
+            ids = torch.randint(20, 40000, (40,), generator=g).tolist()
+            f.write(json.dumps({"id": str(i), "input_ids": ids, "loss_mask": [0] * 8 + [1] * 32}) + "\n")
+    return target, root / "tok.jsonl"
+
+
+def _train_cli(target, data, out, *extra):
+    from datahelpers import run_cli
+
+    return run_cli("train", f"target.path={target}", f"data.tokenized={data}", f"train.output_dir={out}",
+                   "train.max_steps=2", "train.batch_size=2", "train.anchors_per_seq=8", "train.eval_samples=2",
+                   "train.eval_every=1", "train.tensorboard=false", "drafter.num_layers=1", "drafter.num_taps=2",
+                   "target.device=cpu", *extra)
+
+
+def test_cli_refuses_a_stop_token_as_mask_and_a_diverging_run_exits_nonzero(tiny_cli_data, tmp_path):
+    target, data = tiny_cli_data
+    r = _train_cli(target, data, tmp_path / "mask", "drafter.mask_token_id=2")
+    assert r.returncode == 1 and "mask_token_id 2 is a BOS/EOS/PAD/stop token" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "mask" / "final").exists()
+    r = _train_cli(target, data, tmp_path / "nan", "train.lr=1e30")
+    assert r.returncode == 1 and "training diverged at step 1" in r.stderr, r.stderr
+    assert not (tmp_path / "nan" / "best").exists() and not (tmp_path / "nan" / "final").exists()

@@ -36,7 +36,7 @@ def tiny_samples(n: int = 24, seed: int = 0) -> list[TokenizedSample]:
 
 
 def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None = None, sleep: float = 0.0,
-            samples: list | None = ...) -> Path:
+            samples: list | None = ..., overwrite: bool = False) -> Path:
     """`samples=None`: read them from the config's data section (e.g. data.features)."""
     from dflashkit import train as train_mod
 
@@ -51,7 +51,7 @@ def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None =
         train_mod.Trainer.step = slow
     cfg = load_config(None, [*BASE, f"train.output_dir={out_dir}", *overrides])
     samples = tiny_samples() if samples is ... else samples
-    return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume)
+    return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume, overwrite=overwrite)
 
 
 def spawn_rank(rank: int, world: int, port: int, jobs: list[tuple[str, list[str], bool | str | None]]) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,31 +26,76 @@ class CheckpointError(ValueError):
     """A drafter directory that cannot be used; the message says which file and what to fix."""
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+# Temporary files are `.NAME.PID.tmp` beside their target: a later run recognises them, and removes
+# those whose writer is no longer alive (`remove_stale_temp_files`).
+_TEMP = re.compile(r"^\..+\.(\d+)\.tmp$")
+FAULT_ENV = "DFLASHKIT_KILL_AT"
+
+
+def _file_mode() -> int:
+    """0666 less the process umask: what a plain `open` gives (safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove_stale_temp_files(directory: Path, name: str | None = None) -> list[Path]:
+    """Remove temp files (and directories) in `directory` left by writers that were killed:
+    those named by `temp_path` (for file `name` only, if given) whose process is gone, or is us
+    (called at the start of a run, we have written nothing yet)."""
+    removed = []
+    for p in Path(directory).glob(f".{name}.*.tmp" if name else ".*.tmp"):
+        m = _TEMP.match(p.name)
+        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def fault_point(name: str) -> None:
+    """Testing aid: the process dies here (as by kill -9) when DFLASHKIT_KILL_AT equals `name`,
+    so a test can place a kill exactly instead of racing a timer."""
+    if os.environ.get(FAULT_ENV) == name:
+        os._exit(137)
+
+
+def atomic_save(save_fn, path: Path) -> None:
+    """`save_fn(tmp)` writes the file under a temporary name, then it is renamed into place."""
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        save_fn(str(tmp))
+        os.chmod(tmp, _file_mode())
+        fault_point(f"replace {path.name}")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_save(lambda tmp: Path(tmp).write_bytes(data), path)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _atomic_save(save_fn, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_fn(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype | None = None,
@@ -60,10 +106,10 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype
     tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     cfg = drafter.config.to_json_dict()
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    _atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), path / WEIGHTS)
+    atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), path / WEIGHTS)
     atomic_write_json(path / CONFIG, cfg)
     if training_state is not None:
-        _atomic_save(lambda tmp: torch.save(training_state, tmp), path / TRAINING_STATE)
+        atomic_save(lambda tmp: torch.save(training_state, tmp), path / TRAINING_STATE)
     return path
 
 
@@ -74,8 +120,10 @@ def load_config(path: str | Path) -> DrafterConfig:
         raise CheckpointError(f"{path}: no {CONFIG}; a drafter directory holds {CONFIG} and {WEIGHTS}")
     try:
         raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file}: top level is a {type(raw).__name__}, expected a JSON object (a drafter config)")
     try:
         return DrafterConfig.from_json_dict(raw, source=str(cfg_file))
     except (ValueError, TypeError) as e:
@@ -92,7 +140,7 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
     wfile = path / WEIGHTS
     if not wfile.is_file():
         raise CheckpointError(f"{path}: no {WEIGHTS}")
-    state = load_file(str(wfile))
+    state = read_safetensors(wfile)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in DFlashDrafter(config).state_dict().items()}
     missing = sorted(set(expected) - set(state))
@@ -135,6 +183,64 @@ def target_problems(config: DrafterConfig, target: Any) -> list[str]:
     return p
 
 
+# Sizes a Transformers config must hold as positive integers (Transformers divides by them).
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+          "vocab_size", "head_dim")
+
+
+def check_model_config(path: Path) -> None:
+    """A model directory's config.json, checked before Transformers reads it: a JSON object whose
+    sizes are positive integers (else Transformers fails with a TypeError or ZeroDivisionError)."""
+    f = Path(path) / CONFIG
+    if not f.is_file():
+        return
+    try:
+        raw = json.loads(f.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{f}: top level is a {type(raw).__name__}, expected a JSON object (a model config)")
+    sections = [raw] + [v for k, v in raw.items() if k.endswith("_config") and isinstance(v, dict)]
+    bad = [f"{k}={c[k]!r}" for c in sections for k in _SIZES
+           if k in c and c[k] is not None and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)]
+    if bad:
+        raise CheckpointError(f"{f}: {', '.join(bad)}: expected positive integers")
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file; a truncated or foreign file gives an error naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); it may be truncated or "
+                              "from an interrupted copy") from None
+
+
+# What a training state must hold (see train.py); checked before use so that a damaged file is
+# reported as such instead of failing deep inside the trainer.
+TRAINING_STATE_KEYS = ("version", "step", "total_steps", "batch_size", "num_train", "best", "rng", "params",
+                       "optimizer", "scheduler")
+
+
 def load_training_state(path: str | Path) -> dict[str, Any] | None:
+    """`training_state.pt` of a checkpoint directory, or None when there is none.
+
+    Loaded with `weights_only=True`: tensors and plain data only, so a crafted file cannot run code."""
     f = Path(path) / TRAINING_STATE
-    return torch.load(f, map_location="cpu", weights_only=False) if f.is_file() else None
+    if not f.is_file():
+        return None
+    import pickle
+
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{f}: not a training state this tool can load safely (tensors and plain data only): "
+                              f"{first}") from None
+    missing = [k for k in TRAINING_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{f}: malformed training state, missing {', '.join(missing)}; "
+                              "it was not written by `dflashkit train` or is damaged")
+    return state

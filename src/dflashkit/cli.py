@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
+import re
 import sys
+import traceback
+from pathlib import Path
 
 # command -> (module, one-line help). Order follows the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,13 +42,31 @@ def _handler(module: str, command: str):
             getattr(mod, f"run_{name}", None) or mod.run)
 
 
+# `section.field=value`: a config override, wherever it stands among the options.
+_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures that bad input, files or the environment cause: one line, no traceback. Their
+    messages name the file/field (raised so at the source); anything else is a bug."""
+    import yaml
+    from pydantic import ValidationError
+    from safetensors import SafetensorError
+
+    return (ValueError, OSError, RuntimeError, ImportError, json.JSONDecodeError, yaml.YAMLError, ValidationError,
+            SafetensorError)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv  # accepted anywhere on the line
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(
         prog="dflashkit",
         description="Train, evaluate and serve DFlash block-diffusion drafters for speculative decoding.",
         epilog="Run `dflashkit COMMAND --help` for a command's options.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, description=help_).set_defaults(_module=module)
@@ -53,7 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     if cmd is not None:
         add, _ = _handler(COMMANDS[cmd][0], cmd)
         add(sub.choices[cmd])
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`... target.path=x --out y data.prompts=z`): argparse leaves
+    # those after an option unparsed; they join the command's overrides.
+    late = [a for a in extra if _OVERRIDE.match(a)]
+    if late and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *late]
+        extra = [a for a in extra if a not in late]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         parser.print_help()
@@ -61,11 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     _, run = _handler(args._module, args.command)
     try:
         return int(run(args) or 0)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
-        if args.verbose:
+    except KeyboardInterrupt:
+        print(f"dflashkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
             raise
-        print(f"dflashkit {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        if isinstance(e, expected_errors()):
+            print(f"dflashkit {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"dflashkit {args.command}: internal error: {type(e).__name__}: {e} (at {Path(where.filename).name}:"
+              f"{where.lineno}); this is a bug: re-run with --debug for the traceback and report it", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

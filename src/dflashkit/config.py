@@ -8,14 +8,29 @@ A wrong field gives one line naming it and what was expected.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
+
+
+def _not_bool(value: Any) -> Any:
+    # bool is an int subclass: without this, `max_steps: true` would silently become 1.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+# Numbers: no booleans (YAML strings such as "3e-4" still parse); floats must be finite (the
+# models set allow_inf_nan=False); booleans must be true/false, not 1/"yes".
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Bool = Annotated[bool, Strict()]
+Seed = Annotated[Int, Field(ge=0, le=2**63 - 1)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TargetConfig(_Section):
@@ -26,13 +41,13 @@ class TargetConfig(_Section):
 
 
 class DrafterSettings(_Section):
-    num_layers: int = Field(5, ge=1)
-    num_taps: int = Field(5, ge=1)
-    target_layer_ids: list[int] | None = Field(None, description="None = SPEC default formula")
-    block_size: int = Field(16, ge=2)
-    mask_token_id: int | None = Field(None, ge=0, description="None = SPEC rule (spare row / mask / unused special)")
+    num_layers: Int = Field(5, ge=1)
+    num_taps: Int = Field(5, ge=1)
+    target_layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="None = SPEC default formula")
+    block_size: Int = Field(16, ge=2)
+    mask_token_id: Int | None = Field(None, ge=0, description="None = SPEC rule (spare row / mask / unused special)")
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
-    sliding_window: int | None = Field(None, ge=1)
+    sliding_window: Int | None = Field(None, ge=1)
     init_from: str | None = Field(None, description="start from this reference-format drafter directory")
 
     @model_validator(mode="after")
@@ -48,63 +63,63 @@ class DrafterSettings(_Section):
 
 class DataConfig(_Section):
     prompts: str = Field("builtin", description="'builtin', 'humaneval', a JSONL/JSON/Parquet file or a datasets name")
-    limit: int | None = Field(None, ge=1)
+    limit: Int | None = Field(None, ge=1)
     regenerated: str | None = Field(None, description="JSONL of target-written answers (output of `regenerate`)")
     tokenized: str | None = Field(None, description="JSONL of token ids + loss masks (output of `tokenize`)")
     features: str | None = Field(None, description="feature cache dir (output of `extract`); None = online")
     feature_dtype: Literal["bfloat16", "float16", "float32", "fp8"] = "bfloat16"
-    max_length: int = Field(2048, ge=8)
-    max_new_tokens: int = Field(512, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    thinking: bool = Field(False, description="passed to the chat template as enable_thinking")
-    batch_size: int = Field(8, ge=1)
-    seed: int = Field(0, description="sampling seed of `regenerate` when temperature > 0")
+    max_length: Int = Field(2048, ge=8)
+    max_new_tokens: Int = Field(512, ge=1)
+    temperature: Float = Field(0.0, ge=0.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    thinking: Bool = Field(False, description="passed to the chat template as enable_thinking")
+    batch_size: Int = Field(8, ge=1)
+    seed: Seed = Field(0, description="sampling seed of `regenerate` when temperature > 0")
 
 
 class TrainConfig(_Section):
     output_dir: str = "runs/train"
-    lr: float = Field(6e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    grad_clip: float = Field(1.0, gt=0)
-    batch_size: int = Field(16, ge=1, description="sequences per optimiser step (global)")
-    micro_batch_size: int = Field(1, ge=1, description="sequences per forward pass and process")
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1, description="overrides epochs")
-    time_budget_s: float | None = Field(None, gt=0, description="wall-clock budget from the start of `train`; "
+    lr: Float = Field(6e-4, gt=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    warmup_ratio: Float = Field(0.04, ge=0, lt=1)
+    grad_clip: Float = Field(1.0, gt=0)
+    batch_size: Int = Field(16, ge=1, description="sequences per optimiser step (global)")
+    micro_batch_size: Int = Field(1, ge=1, description="sequences per forward pass and process")
+    epochs: Float = Field(1.0, gt=0)
+    max_steps: Int | None = Field(None, ge=1, description="overrides epochs")
+    time_budget_s: Float | None = Field(None, gt=0, description="wall-clock budget from the start of `train`; "
                                         "overrides epochs (max_steps still caps): the schedule is fitted to the "
                                         "steps that fit, timed over the first steps")
-    anchors_per_seq: int = Field(512, ge=1)
+    anchors_per_seq: Int = Field(512, ge=1)
     loss: Literal["ce", "kl", "dpace"] = "ce"
-    gamma: float | None = Field(None, gt=0, description="slot decay; None = 7 (B=16), 5 (B=10), 4 (B=8)")
-    kl_weight: float = Field(1.0, ge=0, le=1, description="share of KL in the 'kl' loss; rest is hard CE")
-    kl_temperature: float = Field(1.0, gt=0)
-    dpace_alpha: float = Field(0.5, gt=0, le=1, description="confidence smoothing of the 'dpace' loss")
-    feature_noise: float = Field(0.0, ge=0, description="std of Gaussian noise on fc inputs only")
+    gamma: Float | None = Field(None, gt=0, description="slot decay; None = 7 (B=16), 5 (B=10), 4 (B=8)")
+    kl_weight: Float = Field(1.0, ge=0, le=1, description="share of KL in the 'kl' loss; rest is hard CE")
+    kl_temperature: Float = Field(1.0, gt=0)
+    dpace_alpha: Float = Field(0.5, gt=0, le=1, description="confidence smoothing of the 'dpace' loss")
+    feature_noise: Float = Field(0.0, ge=0, description="std of Gaussian noise on fc inputs only")
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    compile: bool | None = Field(None, description="torch.compile the drafter layers; None = on CUDA")
+    compile: Bool | None = Field(None, description="torch.compile the drafter layers; None = on CUDA")
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="under torchrun: DDP (auto) or FSDP2")
-    eval_every: int = Field(200, ge=1)
-    eval_samples: int = Field(64, ge=1, description="held-out sequences for the tau_sim evaluation")
-    save_every: int = Field(500, ge=1)
-    keep_last: int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
-    seed: int = 0
-    log_every: int = Field(10, ge=1)
-    tensorboard: bool = True
+    eval_every: Int = Field(200, ge=1)
+    eval_samples: Int = Field(64, ge=1, description="held-out sequences for the tau_sim evaluation")
+    save_every: Int = Field(500, ge=1)
+    keep_last: Int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
+    seed: Seed = 0
+    log_every: Int = Field(10, ge=1)
+    tensorboard: Bool = True
     wandb_project: str | None = Field(None, description="log to Weights & Biases too (needs `wandb` installed)")
 
 
 class EvalConfig(_Section):
     prompts: str = "humaneval"
-    limit: int | None = Field(20, ge=1)
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    ddtree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])
-    ddtree_top_k: int = Field(4, ge=1)
-    seed: int = 0
+    limit: Int | None = Field(20, ge=1)
+    max_new_tokens: Int = Field(128, ge=1)
+    temperature: Float = Field(0.0, ge=0.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64])
+    ddtree_top_k: Int = Field(4, ge=1)
+    seed: Seed = 0
 
 
 class Config(_Section):
@@ -160,7 +175,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file (invalid UTF-8); expected a YAML config") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML ({e})") from None
         if not isinstance(tree, dict):

@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         tcfg.train.eval_every, tcfg.train.eval_samples = (25, 4) if cpu else (100, 64)
         tcfg.train.save_every = 10**6
         tcfg.train.tensorboard = False
-        return train(tcfg, target=target, samples=FeatureCache(feats, dtype=target.dtype), feature_layer_ids=layer_ids)
+        # overwrite: an interrupted earlier demo run left no final drafter; it restarts from scratch.
+        return train(tcfg, target=target, samples=FeatureCache(feats, dtype=target.dtype), feature_layer_ids=layer_ids,
+                     overwrite=True)
 
     stages.run("train", train_scratch)
 

@@ -25,15 +25,22 @@ LAYER_TYPES = (FULL, SLIDING)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """SPEC §2: n == 1 -> [L // 2]; else evenly from layer 1 to layer L - 3."""
+    """SPEC §2: n == 1 -> [L // 2]; else evenly from layer 1 to layer L - 3: round(1 + i (L-4)/(n-1)).
+
+    On shallow targets that formula repeats layers (L=4, n=2: [1, 1]); then the taps are spread
+    evenly over layers 1..L-2 (0..L-2 when that is too few), distinct and never the last layer."""
     L, n = num_target_layers, num_taps
     if n < 1:
         raise ValueError(f"num_taps must be >= 1, got {n}")
     if n == 1:
         return [L // 2]
-    if L < 4:
-        raise ValueError(f"a target with {L} layers is too shallow for {n} taps")
-    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+    if n > L - 1:
+        raise ValueError(f"a target with {L} layers is too shallow for {n} distinct taps (at most {L - 1})")
+    ids = [round(1 + i * (L - 4) / (n - 1)) for i in range(n)] if L >= 4 else []
+    if len(set(ids)) == n:
+        return ids
+    lo, hi = (1 if n <= L - 2 else 0), L - 2
+    return [round(lo + i * (hi - lo) / (n - 1)) for i in range(n)]
 
 
 def default_gamma(block_size: int) -> float:
@@ -132,6 +139,10 @@ class DrafterConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(f"{source}: missing field(s) {missing}")
+        bad = [f"{k}={d[k]!r}" for k in [*required, "num_key_value_heads", "head_dim"]
+               if k in d and (isinstance(d[k], bool) or not isinstance(d[k], int) or d[k] < 1)]
+        if bad:
+            raise ValueError(f"{source}: {', '.join(bad)}: expected positive integers")
         known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "target_layer_ids", "mask_token_id")}
         kwargs = {k: d.pop(k) for k in list(d) if k in known}
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])

@@ -12,29 +12,43 @@ One worker thread owns the model and runs requests in arrival order (`Engine`): 
 requests queue instead of racing on the model and its KV cache. With `--max-batch N` the worker
 takes up to N queued requests at once and decodes them as one batch; requests arriving
 meanwhile wait for the next batch.
+
+Running for days: a request whose client disconnected is cancelled (streaming or not), so the
+engine moves on; at most `--max-queue` requests wait (503 beyond, with Retry-After); request bodies
+are capped (413); tokenisation runs on a thread, off the event loop; `--api-key` requires a bearer
+token (except on /health); SIGTERM stops accepting, lets in-flight requests finish for
+`--shutdown-timeout` seconds, then cuts them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
 import queue
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import closing
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflashkit.decode.loop import make_engine
-from dflashkit.decode.generation import Generator
-from dflashkit.decode.loop import DecodingGenerator
+from dflashkit.config import Float, Int  # numbers without booleans (JSON true is no max_tokens)
+from dflashkit.decode.generation import GenerationChunk, Generator
+from dflashkit.decode.loop import DecodingGenerator, make_engine
+
+try:  # the `serve` extra; a module-level name, as FastAPI resolves the handlers' annotations here
+    from starlette.requests import Request
+except ImportError:
+    Request = Any
 
 log = logging.getLogger(__name__)
 
@@ -48,44 +62,91 @@ class _Job:
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue = asyncio.Queue()  # GenerationChunk | Exception | None (end)
         self.cancelled = threading.Event()
+        self.finished = False  # its last chunk (with a finish_reason) was produced
 
     def put(self, item: Any) -> None:
+        if isinstance(item, GenerationChunk) and item.finish_reason:
+            self.finished = True
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class QueueFull(Exception):
+    pass
 
 
 class Engine:
     """Runs generation requests in arrival order on a worker thread that owns the model; with
-    `max_batch` > 1 (a `BatchedGenerator`), up to that many queued requests at once."""
+    `max_batch` > 1 (a `BatchedGenerator`), up to that many queued requests at once. At most
+    `max_queue` requests wait (`submit` raises `QueueFull` beyond); `close` cancels every job."""
 
-    def __init__(self, generator: Generator, max_batch: int = 1) -> None:
+    def __init__(self, generator: Generator, max_batch: int = 1, max_queue: int = 0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch > 1 and not hasattr(generator, "generate_batch"):
             raise ValueError(f"{type(generator).__name__} decodes one request at a time; max_batch must be 1")
-        self.generator, self.max_batch = generator, max_batch
-        self.jobs: queue.Queue[_Job] = queue.Queue()
-        threading.Thread(target=self._work, name="dflashkit-engine", daemon=True).start()
+        self.generator, self.max_batch, self.max_queue = generator, max_batch, max_queue
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.running: list[_Job] = []  # being generated now
+        # cancelled: ended before the last token (client gone, stop string, shutdown, error)
+        self.counters = {"completed": 0, "cancelled": 0}
+        self.closed = False
+        self.worker = threading.Thread(target=self._work, name="dflashkit-engine", daemon=True)
+        self.worker.start()
 
     def submit(self, input_ids: list[int], **params: Any) -> _Job:
+        if self.closed:
+            raise QueueFull("the server is shutting down")
+        if self.max_queue and self.jobs.qsize() >= self.max_queue:
+            raise QueueFull(f"{self.jobs.qsize()} requests are already waiting (serve --max-queue {self.max_queue})")
         job = _Job(input_ids, params)
         self.jobs.put(job)
         return job
 
+    def close(self) -> None:
+        """Cancel queued and running jobs and stop the worker after its current step."""
+        self.closed = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                self._end(job)
+        for job in list(self.running):
+            job.cancelled.set()
+        self.jobs.put(None)
+
     def _work(self) -> None:
         while True:
-            jobs = [self.jobs.get()]
+            first = self.jobs.get()
+            if first is None:  # closed
+                return
+            jobs = [first]
             while len(jobs) < self.max_batch and not self.jobs.empty():
-                jobs.append(self.jobs.get())
-            if self.max_batch == 1:
-                self._run(jobs[0])
-            else:
-                self._run_batch(jobs)
+                nxt = self.jobs.get()
+                if nxt is None:
+                    self.jobs.put(None)
+                    break
+                jobs.append(nxt)
+            self.running = jobs
+            try:
+                if self.max_batch == 1:
+                    self._run(jobs[0])
+                else:
+                    self._run_batch(jobs)
+            finally:
+                self.running = []
+
+    def _end(self, job: _Job) -> None:
+        self.counters["completed" if job.finished else "cancelled"] += 1
+        job.put(None)
 
     def _run_batch(self, jobs: list[_Job]) -> None:
-        for j in jobs:
-            if j.cancelled.is_set():  # gone while queued
-                j.put(None)
-        jobs = [j for j in jobs if not j.cancelled.is_set()]
+        gone = [j.cancelled.is_set() for j in jobs]  # gone while queued (read once: it may change)
+        for j in (j for j, g in zip(jobs, gone) if g):
+            self._end(j)
+        jobs = [j for j, g in zip(jobs, gone) if not g]
         try:
             steps = self.generator.generate_batch([(j.input_ids, j.params) for j in jobs],
                                                   cancelled=lambda i: jobs[i].cancelled.is_set())
@@ -99,7 +160,7 @@ class Engine:
                 j.put(e)
         finally:
             for j in jobs:
-                j.put(None)
+                self._end(j)
 
     def _run(self, job: _Job) -> None:
         try:
@@ -113,7 +174,7 @@ class Engine:
             log.exception("generation failed")
             job.put(e)
         finally:
-            job.put(None)
+            self._end(job)
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -126,25 +187,26 @@ class APIError(Exception):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields we accept and ignore (user, ...)
+    # extra="allow": clients send fields we accept and ignore (user, ...); numbers must be finite.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    n: Int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[Int]
 
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -178,11 +240,68 @@ def _chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
 # ---- the app ------------------------------------------------------------------------------------
 
 
+async def _send_json(send: Callable, status: int, message: str, kind: str, headers: tuple = ()) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Guard:
+    """ASGI middleware run before anything is parsed: the bearer-token check (all but /health) and
+    the request-body cap (declared or streamed)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return await _send_json(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer "
+                                        "KEY' with the key given to `serve --api-key`", "authentication_error",
+                                        ((b"www-authenticate", b"Bearer"),))
+        too_big = f"the request body exceeds the server's limit of {self.max_body} bytes (serve --max-body-mb)"
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body:
+            return await _send_json(send, 413, too_big, "invalid_request_error")
+        # Read the body here (bounded), then hand it on; later receives (disconnects) pass through.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body:
+                return await _send_json(send, 413, too_big, "invalid_request_error")
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def receive_after() -> dict:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, receive_after, send)
+
+
+async def _cancel_on_disconnect(request: Any, job: _Job) -> None:
+    """Cancel `job` once its client has disconnected (ASGI reports it only when asked: poll)."""
+    while not job.cancelled.is_set():
+        if await request.is_disconnected():
+            job.cancelled.set()
+            return
+        await asyncio.sleep(0.1)
+
+
 def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0,
-              max_batch: int = 1):
+              max_batch: int = 1, max_queue: int = 0, api_key: str | None = None, max_body_bytes: int = 8 << 20):
     """The FastAPI app. `fail_every=N` answers every N-th generation request with HTTP 500: a
     fault injector for testing clients' retries (`dflashkit serve --fail-every N`). `max_batch`:
-    requests decoded at once (needs a `BatchedGenerator` when > 1)."""
+    requests decoded at once (needs a `BatchedGenerator` when > 1). `max_queue`: requests that may
+    wait (0 = no limit; beyond, 503). `api_key`: required as a bearer token. `max_body_bytes`: 413 beyond."""
     try:
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
@@ -198,16 +317,33 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
     name = model_name or (Path(target.name).name if Path(target.name).exists() else target.name)
     stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 31)
-    engine = Engine(generator, max_batch)
+    engine = Engine(generator, max_batch, max_queue)
     counters = {"requests": 0, "injected_failures": 0}
-    app = FastAPI(title="dflashkit", version="1")
+    # Tokenisation (a 1 MB prompt takes seconds) runs here, off the event loop; one thread, as a
+    # fast tokenizer must not be used by two threads at once.
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dflashkit-tokenize")
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        engine.close()  # shutdown: whatever is still queued or running is cancelled
+        tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *args)
+
+    app = FastAPI(title="dflashkit", version="1", lifespan=lifespan)
+    app.add_middleware(_Guard, api_key=api_key, max_body=max_body_bytes)
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
-        return error(e.status, e.message, e.param, e.kind)
+        response = error(e.status, e.message, e.param, e.kind)
+        if e.status == 503:
+            response.headers["retry-after"] = "1"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, e: RequestValidationError):
@@ -221,7 +357,8 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "queued": engine.jobs.qsize(), **counters}
+        return {"status": "ok", "model": name, "queued": engine.jobs.qsize(), "running": len(engine.running),
+                **counters, **engine.counters}
 
     @app.get("/v1/models")
     async def models():
@@ -278,13 +415,17 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
         finally:
             job.cancelled.set()
 
-    async def respond(req: Any, ids: list[int], max_tokens: int | None, chat: bool):
+    async def respond(request: Request, req: Any, ids: list[int], max_tokens: int | None, chat: bool):
         params = prepare(req, ids, max_tokens)
         stops = params.pop("_stops")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": name}
-        job = engine.submit(ids, **params)
+        try:
+            job = engine.submit(ids, **params)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}; retry later", kind="server_error") from None
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
         def usage(stats: dict) -> dict:
             completion = stats.pop("completion_tokens", 0)
@@ -293,9 +434,12 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
 
         if not req.stream:
             parts, finish, stats = [], "length", {}
-            async for text, fin, st in texts(job, stops, holdback=False):
-                parts.append(text)
-                finish, stats = fin or finish, st or stats
+            try:
+                async for text, fin, st in texts(job, stops, holdback=False):
+                    parts.append(text)
+                    finish, stats = fin or finish, st or stats
+            finally:
+                watcher.cancel()
             out = "".join(parts)
             choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish} if chat
                       else {"index": 0, "text": out, "finish_reason": finish, "logprobs": None})
@@ -325,36 +469,41 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
                             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage(st)})}\n\n"
             except APIError as e:  # headers are sent: report in-band, as OpenAI servers do
                 yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
+            finally:
+                watcher.cancel()
+                job.cancelled.set()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise APIError(400, f"prompt: {len(prompt)} prompts in one request; this server takes one", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = encode(tok, prompt)
+            ids = await off_loop(encode, tok, prompt)
         else:
             ids = list(prompt)
             if any(not 0 <= t < len(tok) for t in ids):
                 raise APIError(400, f"prompt: token ids must lie in 0..{len(tok) - 1}", "prompt")
         if not ids:
             raise APIError(400, "prompt is empty", "prompt")
-        return await respond(req, ids, req.max_tokens or 16, chat=False)
+        return await respond(request, req, ids, req.max_tokens or 16, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, request: Request):
         msgs = _chat_messages(req.messages)
         kw = dict(req.chat_template_kwargs or {})
         try:
-            text = render(tok, msgs, thinking=bool(kw.pop("enable_thinking", False)), generation_prompt=True)
+            text = await off_loop(lambda: render(tok, msgs, thinking=bool(kw.pop("enable_thinking", False)),
+                                                 generation_prompt=True))
         except Exception as e:  # template errors (jinja raise_exception) are the request's fault
             raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
-        return await respond(req, encode(tok, text), req.max_completion_tokens or req.max_tokens, chat=True)
+        ids = await off_loop(encode, tok, text)
+        return await respond(request, req, ids, req.max_completion_tokens or req.max_tokens, chat=True)
 
     return app
 
@@ -377,6 +526,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode up to N queued requests as one batch (default 1: one at a time)")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
                    help="decoding engine: auto = static with CUDA graphs on a GPU where supported, else Transformers")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for the engine; beyond, HTTP 503 with Retry-After (0 = no limit)")
+    p.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $DFLASHKIT_API_KEY)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB", help="request body limit (HTTP 413 beyond)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut")
     add_config_options(p)
 
 
@@ -386,6 +542,8 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
     from dflashkit.target import load_target
 
+    if args.max_queue < 0 or args.max_body_mb <= 0 or args.shutdown_timeout < 0:
+        raise ValueError("--max-queue must be >= 0, --max-body-mb > 0 and --shutdown-timeout >= 0")
     cfg = config_from_args(args)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                          device=resolve_device(cfg.target.device))
@@ -400,7 +558,8 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
     generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget)
-    app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch)
+    app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch,
+                    max_queue=args.max_queue, api_key=args.api_key or None, max_body_bytes=int(args.max_body_mb * 2**20))
     # Bind first, then announce: with --port 0 the caller learns the port, and connections made
     # before uvicorn starts accepting wait in the backlog instead of being refused.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -409,6 +568,6 @@ def run(args: argparse.Namespace) -> int:
     sock.listen(128)
     host, port = sock.getsockname()[:2]
     print(f"dflashkit serve: listening on http://{host}:{port}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout))
     server.run(sockets=[sock])
     return 0

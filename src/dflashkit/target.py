@@ -198,11 +198,20 @@ def load_target(
         kw["gguf_file"] = gguf_file
     if local_files_only is not None:
         kw["local_files_only"] = local_files_only
+    from safetensors import SafetensorError
+
+    from dflashkit.checkpoint import check_model_config
+
+    if path.is_dir():
+        check_model_config(path)
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
         if not weights:
             return Target(_meta_model(src, dtype, kw), tok, name=str(name_or_path))
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
+    except SafetensorError as e:
+        raise ValueError(f"target '{name_or_path}': a weights file (*.safetensors) is not readable ({e}); it may be "
+                         "truncated or from an interrupted download") from None
     except OSError as e:
         raise OSError(f"could not load target '{name_or_path}': {e}\n"
                       "A hub id needs network access; offline, pass a local directory or a .gguf file.") from None

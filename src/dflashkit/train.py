@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -31,16 +32,17 @@ import os
 import random
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dflashkit.checkpoint import atomic_write_bytes, atomic_write_json, load_drafter, load_training_state, save_drafter
+from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
+                                  load_training_state, remove_stale_temp_files, save_drafter, target_problems)
 from dflashkit.drafter import DFlashDrafter, DrafterConfig
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, block_loss, check_label_sources,
                                  micro_batch, pad_anchors, sample_anchors)
@@ -470,9 +472,68 @@ def save_checkpoint(out_dir: Path, step: int, drafter: DFlashDrafter, training_s
     final = ckpts / f"step-{step:08d}"
     _replace_dir(final, lambda p: save_drafter(drafter, p, training_state=training_state))
     atomic_write_json(out_dir / "latest.json", {"step": step, "checkpoint": str(final.relative_to(out_dir))})
-    for old in sorted(ckpts.glob("step-*"))[:-keep_last]:
+    # By step number, the one just written (what latest.json names) always kept.
+    others = sorted((p for p in ckpts.glob("step-*") if p != final and _step_of(p) is not None), key=_step_of)
+    for old in others[:max(0, len(others) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else None
+
+
+# ---- the run directory -----------------------------------------------------------------------
+
+# What a run writes in its output directory; a fresh run refuses a directory holding any of them.
+RUN_FILES = ("latest.json", "best.json", "metrics.jsonl", "curves.png", "checkpoints", "best", "final", "tb")
+
+
+class DivergedError(RuntimeError):
+    """The loss or the weights became non-finite; nothing of that step was saved."""
+
+
+@contextmanager
+def run_directory(out_dir: Path, *, resume: bool, overwrite: bool, main: bool) -> Iterator[None]:
+    """Hold `<output_dir>/.lock` for the run (a second run into the directory fails at once), clean
+    temp files of killed runs, and refuse to start afresh over an earlier run's files unless asked."""
+    if not main:
+        yield
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{out_dir} is in use by another `train` run (it holds {out_dir / '.lock'}); "
+                               "wait for it or choose another train.output_dir") from None
+        for d in (out_dir, out_dir / "checkpoints"):
+            if d.is_dir():
+                remove_stale_temp_files(d)
+        used = [n for n in RUN_FILES if (out_dir / n).exists()]
+        if used and not resume:
+            if not overwrite:
+                raise ValueError(f"{out_dir} holds an earlier run ({', '.join(used)}); pass --resume to continue it, "
+                                 "--overwrite to replace it, or choose another train.output_dir")
+            log.warning("--overwrite: removing the earlier run in %s (%s)", out_dir, ", ".join(used))
+            for n in used:
+                p = out_dir / n
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        yield
+
+
+def check_finite(step: int, values: dict[str, float], params: dict[str, Tensor] | None = None) -> None:
+    """Stop the run at the first non-finite loss, gradient norm or weight (before anything is saved)."""
+    bad = [k for k in ("loss", "grad_norm") if k in values and not math.isfinite(values[k])]
+    if "grad_norm" in values and "loss" in bad and values["grad_norm"] == 0:
+        bad.remove("loss")  # a step without supervised tokens has no loss, and changes nothing
+    if params is not None:
+        bad += [f"weight {n}" for n, v in params.items() if not bool(torch.isfinite(v).all())][:3]
+    if bad:
+        raise DivergedError(f"training diverged at step {step}: non-finite {', '.join(bad)}; stopping without saving "
+                            "this step (checkpoints, best/ and final/ hold the last finite ones). Lower train.lr or "
+                            "train.grad_clip, then --resume-from an earlier checkpoint or start afresh")
 
 
 def find_resume(out_dir: Path, resume: bool | str | None) -> Path | None:
@@ -483,7 +544,11 @@ def find_resume(out_dir: Path, resume: bool | str | None) -> Path | None:
         latest = out_dir / "latest.json"
         if not latest.is_file():
             raise FileNotFoundError(f"--resume: {latest} does not exist (no checkpoint was written in {out_dir} yet)")
-        path = out_dir / json.loads(latest.read_text())["checkpoint"]
+        try:
+            path = out_dir / json.loads(latest.read_text())["checkpoint"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--resume: {latest} is malformed ({type(e).__name__}: {e}); expected "
+                             '{"step": N, "checkpoint": "checkpoints/step-..."}; use --resume-from CKPT') from None
     else:
         path = Path(resume)
     if not (path / "training_state.pt").is_file():
@@ -617,19 +682,26 @@ def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int
 
 
 def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
-          feature_layer_ids: list[int] | None = None, resume: bool | str | None = None) -> Path:
+          feature_layer_ids: list[int] | None = None, resume: bool | str | None = None,
+          overwrite: bool = False) -> Path:
     """Train a drafter as `cfg` says; returns the output directory (holding `final/`, `best/`,
-    `checkpoints/`, `metrics.jsonl`, `curves.png`). `target` / `samples` skip loading them."""
+    `checkpoints/`, `metrics.jsonl`, `curves.png`). `target` / `samples` skip loading them.
+    The directory belongs to this run (`run_directory`): without `resume`, an earlier run's files
+    are an error unless `overwrite`."""
     from dflashkit.commands import resolve_device
 
-    tc = cfg.train
     t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
     d = init_distributed(want.type == "cuda")
+    with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=overwrite, main=d.main):
+        return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume)
+
+
+def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, samples: Sequence[Any] | None,
+           feature_layer_ids: list[int] | None, resume: bool | str | None) -> Path:
+    tc = cfg.train
     device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
     out_dir = Path(tc.output_dir)
-    if d.main:
-        out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     if target is None:
         from dflashkit.target import load_target
@@ -651,6 +723,9 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
 
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         drafter = new_drafter(target, cfg.drafter)
+        problems = target_problems(drafter.config, target)  # what `generate` and `serve` would refuse
+        if problems:
+            raise ValueError("drafter settings do not fit target " f"{target.name}: " + "; ".join(problems))
     dcfg = drafter.config
     check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
 
@@ -689,6 +764,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
 
     def checkpoint(step: int) -> None:
         full = trainer.state_dict()
+        check_finite(step, {}, full["params"])
         if d.main:
             state = {"version": STATE_VERSION, "step": step, "total_steps": total, "batch_size": tc.batch_size,
                      "num_train": len(train_idx), "best": best, "rng": _rng_state(), "config": cfg.model_dump(), **full}
@@ -715,6 +791,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
             bar.refresh()
             if d.main and done == fit_from:
                 log.info("time budget %.0fs: about %d steps fit", tc.time_budget_s, total)
+        check_finite(done, stats)
         tokens += stats.pop("block_tokens")
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tau=f"{max(best['tau_sim'], 0):.2f}")
@@ -729,12 +806,14 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         if eval_idx and (done % tc.eval_every == 0 or done == total):
             ev = trainer.evaluate((batcher.build(items, noise=False), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
             metrics.log(done, "eval", ev)
+            check_finite(done, {"loss": ev["loss"]})
             if d.main:
                 log.info("eval step %d: tau_sim %.3f acc %.3f loss %.4f (per slot %s)", done, ev["tau_sim"], ev["acc"],
                          ev["loss"], ev["slot_acc"])
             if ev["tau_sim"] > best["tau_sim"]:
                 best = {"tau_sim": ev["tau_sim"], "step": done}
                 params = trainer.full_params()
+                check_finite(done, {}, params)
                 if d.main:
                     _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
                     atomic_write_json(out_dir / "best.json", best)
@@ -743,6 +822,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
     bar.close()
     if start < total or not (out_dir / "final").exists():
         params = trainer.full_params()
+        check_finite(step, {}, params)
         if d.main:
             _replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
     metrics.close()
@@ -762,6 +842,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--resume", action="store_true", help="continue from <train.output_dir>/latest.json")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this step checkpoint directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an output directory that holds an earlier run (its files are removed)")
     add_config_options(p)
 
 
@@ -769,7 +851,7 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args
 
     cfg = config_from_args(args)
-    out = train(cfg, resume=args.resume_from or args.resume)
+    out = train(cfg, resume=args.resume_from or args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"drafter: {out / 'final'} (best by tau_sim: {out / 'best'}); curves: {out / 'curves.png'}")
     if dist.is_initialized():

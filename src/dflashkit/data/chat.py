@@ -24,6 +24,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dflashkit.checkpoint import remove_stale_temp_files, temp_path
+
 log = logging.getLogger(__name__)
 
 
@@ -173,7 +175,8 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     stats = TokenizeStats(conversations=len(convs), problems=problems)
     out = Path(out_jsonl)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    remove_stale_temp_files(out.parent, out.name)  # left by a killed run
+    tmp = temp_path(out)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for conv in tqdm(convs, desc="tokenize", unit="conv", disable=None):

@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -43,7 +42,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.checkpoint import atomic_write_json
+from dflashkit.checkpoint import atomic_save, atomic_write_json, remove_stale_temp_files
 from dflashkit.data.chat import TokenizedSample
 
 log = logging.getLogger(__name__)
@@ -149,18 +148,16 @@ def extract_features(target: Any, samples: Sequence[TokenizedSample], layer_ids:
     rank, world = env_rank if rank is None else rank, env_world if world is None else world
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside 0..{world - 1}")
+    check_token_ids(samples, target.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids_hash = hashlib.sha256(json.dumps([[s.id, len(s.input_ids)] for s in samples]).encode()).hexdigest()
+    remove_stale_temp_files(out)  # of killed runs (a live rank's files are kept)
     settings = {"format": FORMAT, "target": target_identity(target), "layer_ids": list(layer_ids),
                 "hidden_size": target.hidden_size, "dtype": dtype, "shard_size": shard_size,
-                "num_samples": len(samples), "samples_sha256": ids_hash}
+                "num_samples": len(samples), "samples_sha256": samples_fingerprint(samples)}
     _check_or_write_settings(out / "settings.json", settings)
     shards = plan_shards([len(s.input_ids) for s in samples], shard_size)
     mine = [k for k in range(len(shards)) if k % world == rank and not (out / f"{_shard_name(k)}.json").exists()]
-    for k in mine:  # temp files of our own shards left by a killed run
-        for stale in out.glob(f".{_shard_name(k)}.safetensors.*"):
-            stale.unlink()
     total = sum(len(samples[i].input_ids) for k in mine for i in range(*shards[k]))
     bar = tqdm(total=total, desc=f"extract (rank {rank}/{world})", unit="tok", unit_scale=True, disable=None)
     t0 = time.perf_counter()
@@ -172,13 +169,36 @@ def extract_features(target: Any, samples: Sequence[TokenizedSample], layer_ids:
     return write_manifest(out, settings, len(shards))
 
 
+def samples_fingerprint(samples: Sequence[TokenizedSample]) -> str:
+    """sha256 of the samples' content (ids, token ids, loss masks): a re-tokenised input, even of the
+    same lengths, is another input."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(json.dumps([s.id, list(s.input_ids), list(s.loss_mask)], separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def check_token_ids(samples: Sequence[TokenizedSample], vocab_size: int) -> None:
+    """Every token id inside the target's vocabulary (checked before anything is written)."""
+    for s in samples:
+        bad = [t for t in s.input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"sample {s.id!r}: token id {bad[0]!r} is outside the target's vocabulary "
+                             f"(0..{vocab_size - 1}); the tokenized file was made with another tokenizer or is damaged")
+
+
 def _check_or_write_settings(path: Path, settings: dict[str, Any]) -> None:
     if path.exists():
-        old = json.loads(path.read_text())
-        diff = sorted(k for k in settings if old.get(k) != settings[k])
+        try:
+            old = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); delete the directory and extract again") from None
+        diff = sorted(k for k in settings if not isinstance(old, dict) or old.get(k) != settings[k])
         if diff:
-            raise ValueError(f"{path.parent} holds features extracted with other settings ({', '.join(diff)} differ); "
-                             "extract into another directory or delete it")
+            what = " (the input samples' content changed)" if "samples_sha256" in diff else ""
+            raise ValueError(f"{path.parent} holds features extracted with other settings ({', '.join(diff)} differ"
+                             f"{what}); extract into another directory or delete it")
     else:
         atomic_write_json(path, settings)
 
@@ -212,18 +232,11 @@ def _write_shard(target: Any, samples: Sequence[TokenizedSample], span: tuple[in
         tensors["features"] = rows.to(STORAGE[dtype]).contiguous()
     ids = [samples[i].id for i in idx]
     name = _shard_name(k)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.safetensors.", dir=out)
-    os.close(fd)
-    try:
-        # One metadata key: safetensors writes a metadata dict in hash order, and the bytes (and so
-        # the checksum) of identical shards would differ from run to run.
-        meta = json.dumps({"ids": ids, "layer_ids": layer_ids, "dtype": dtype}, sort_keys=True)
-        save_file(tensors, tmp, metadata={"dflashkit": meta})
-        digest = sha256_file(Path(tmp))
-        os.replace(tmp, out / f"{name}.safetensors")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # One metadata key: safetensors writes a metadata dict in hash order, and the bytes (and so
+    # the checksum) of identical shards would differ from run to run.
+    meta = json.dumps({"ids": ids, "layer_ids": layer_ids, "dtype": dtype}, sort_keys=True)
+    atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"dflashkit": meta}), out / f"{name}.safetensors")
+    digest = sha256_file(out / f"{name}.safetensors")
     atomic_write_json(out / f"{name}.json", {
         "file": f"{name}.safetensors", "sha256": digest, "bytes": (out / f"{name}.safetensors").stat().st_size,
         "first_sample": start, "num_samples": end - start, "num_tokens": int(tensors["offsets"][-1]),

@@ -108,8 +108,11 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
         records = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records}[suffix](path)
         return _collect(records, origin=str(path), unit="line" if suffix == ".jsonl" else "record",
                         id_prefix=path.stem, source=str(path), limit=limit)
-    if suffix in FILE_SUFFIXES:
-        raise FileNotFoundError(f"{path}: no such prompt file")
+    # A name with a file suffix in an existing directory, or an explicit path, is a file that is
+    # missing (a typo such as `p.jsnol`), not a Hugging Face dataset name (`org/name`).
+    if suffix in FILE_SUFFIXES or name.startswith((".", "/", "~")) or (suffix and path.parent.is_dir()):
+        raise FileNotFoundError(f"{path}: no such prompt file (expected an existing {', '.join(FILE_SUFFIXES)} file, "
+                                f"{' or '.join(BUILTIN_NAMES)}, or a Hugging Face dataset name)")
     return _load_hf_dataset(name, split=split, limit=limit)
 
 
@@ -119,7 +122,10 @@ def to_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike[str]
     path.parent.mkdir(parents=True, exist_ok=True)
     # Same directory so that os.replace is a rename on one file system; a plain open (not mkstemp)
     # so that the file gets the usual umask permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    from dflashkit.checkpoint import remove_stale_temp_files, temp_path
+
+    remove_stale_temp_files(path.parent, path.name)  # left by a killed run
+    tmp = temp_path(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for conv in conversations:

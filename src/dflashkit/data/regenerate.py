@@ -54,7 +54,7 @@ class RegenerateStats:
     written: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
-    retries: int = 0  # HTTP attempts that were retried
+    retries: int = 0  # HTTP attempts after the first, of every request (answered or failed)
     failed: dict[str, str] = field(default_factory=dict)  # id -> last error (not written; a re-run retries them)
 
     @property
@@ -187,13 +187,17 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
 
 
 class RequestFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, retries: int = 0) -> None:
+        super().__init__(message)
+        self.retries = retries  # attempts after the first one
 
 
 def post_with_retries(client: Any, url: str, body: dict, *, retries: int, backoff: float, timeout: float) -> tuple[dict, int]:
-    """POST JSON; retry timeouts, connection errors, 408/429/5xx with exponential backoff and
-    jitter (or the server's Retry-After). Other 4xx fail at once: retrying cannot fix them.
-    Returns (response JSON, number of retries)."""
+    """POST JSON; retry what never reached the server or that it refused (connection errors and
+    timeouts, 408/429/5xx) with exponential backoff and jitter (or the server's Retry-After).
+    Not retried: other 4xx (a retry cannot fix them) and a read timeout (the request was sent
+    and the server may still be computing it: a retry would queue a duplicate behind it).
+    Returns (response JSON, number of retries); `RequestFailed.retries` counts them on failure."""
     import httpx
 
     err = ""
@@ -201,6 +205,9 @@ def post_with_retries(client: Any, url: str, body: dict, *, retries: int, backof
         wait_s = backoff * 2 ** attempt * (0.5 + random.random())
         try:
             r = client.post(url, json=body, timeout=timeout)
+        except httpx.ReadTimeout:
+            raise RequestFailed(f"no answer within {timeout}s; not retried, as the server may still be computing "
+                                "it (raise --timeout for long answers)", attempt) from None
         except httpx.TimeoutException:
             err = f"timed out after {timeout}s"
         except httpx.TransportError as e:
@@ -210,12 +217,12 @@ def post_with_retries(client: Any, url: str, body: dict, *, retries: int, backof
                 return r.json(), attempt
             err = f"HTTP {r.status_code}: {r.text[:300]}"
             if r.status_code < 500 and r.status_code not in (408, 429):
-                raise RequestFailed(err)
+                raise RequestFailed(err, attempt)
             if r.headers.get("retry-after", "").isdigit():
                 wait_s = float(r.headers["retry-after"])
         if attempt < retries:
             time.sleep(wait_s)
-    raise RequestFailed(f"gave up after {retries + 1} attempts; last error: {err}")
+    raise RequestFailed(f"gave up after {retries + 1} attempts; last error: {err}", retries)
 
 
 def served_model(client: Any, base_url: str, timeout: float) -> str:
@@ -283,6 +290,7 @@ def regenerate_http(base_url: str, conversations: list[Conversation], out_path: 
                     if reasoning:  # servers with a reasoning parser split the thinking off
                         answer = f"<think>\n{reasoning}\n</think>\n\n{answer}"
                 except (RequestFailed, KeyError, IndexError, TypeError, ValueError) as e:
+                    stats.retries += getattr(e, "retries", 0)
                     stats.failed[conv.id] = str(e)
                     log.warning("prompt %s failed: %s", conv.id, e)
                     continue
@@ -317,7 +325,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
-    from dflashkit.data.prompts import load_prompts
+    from dflashkit.data.prompts import load_prompts_report
 
     cfg = config_from_args(args)
     d = cfg.data
@@ -326,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("regenerate needs an output file: --out PATH or data.regenerated=PATH")
     if args.concurrency < 1 or args.retries < 0 or args.timeout <= 0:
         raise ValueError("--concurrency must be >= 1, --retries >= 0 and --timeout > 0")
-    convs = load_prompts(d.prompts, limit=d.limit)
+    convs, problems = load_prompts_report(d.prompts, limit=d.limit)
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
@@ -340,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
                                 timeout=args.timeout, retries=args.retries)
     print(f"{out}: {stats.written} answers written, {stats.already_done} already there, {len(stats.failed)} failed; "
           f"{stats.completion_tokens} tokens in {stats.seconds:.1f}s ({stats.tokens_per_s:.1f} tokens/s)"
-          + (f", {stats.retries} retried requests" if args.backend == "http" else ""))
+          + (f", {stats.retries} retries" if args.backend == "http" else "")
+          + (f"; {len(problems)} malformed prompt records skipped (first: {problems[0]})" if problems else ""))
     if stats.failed:
         print(f"failed ids (re-run to retry them): {', '.join(sorted(stats.failed)[:20])}"
               + (" ..." if len(stats.failed) > 20 else ""))

@@ -1,0 +1,191 @@
+"""`dflashkit serve` under abuse: clients that leave, a full queue, big bodies, wrong keys, lax
+fields, slow tokenisation, and SIGTERM with a long request in flight.
+
+Most tests run the app in this process over a generator that never ends by itself (so a request
+is in flight for as long as a test needs, and only a cancellation ends it); conditions are polled
+on /health, never timed. The SIGTERM test runs a real `dflashkit serve` on a tiny random target."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from datahelpers import save_tiny_target, start_cli
+from dflashkit.decode.generation import GenerationChunk
+from dflashkit.serve import build_app
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+class Endless:
+    """Token 42 every few milliseconds, up to max_new_tokens (the whole context: practically never)."""
+
+    def generate(self, input_ids, *, max_new_tokens, **_):
+        for _ in range(max_new_tokens):
+            time.sleep(0.005)
+            yield GenerationChunk([42])
+        yield GenerationChunk([], "length", {})
+
+
+class GatedTokenizer:
+    """The real tokenizer, except that encoding a text containing 'BLOCK' waits for `release`."""
+
+    def __init__(self, tok):
+        self._tok, self.entered, self.release = tok, threading.Event(), threading.Event()
+
+    def __call__(self, text, **kw):
+        if "BLOCK" in text:
+            self.entered.set()
+            assert self.release.wait(120)
+        return self._tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from dflashkit.data.chat import load_tokenizer
+
+    return load_tokenizer()
+
+
+def fake_target(tok):
+    return SimpleNamespace(tokenizer=tok, name="fake", model=SimpleNamespace(),
+                           config=SimpleNamespace(max_position_embeddings=1 << 30))
+
+
+@contextmanager
+def serving(app):
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert poll(lambda: server.started)
+    try:
+        yield "http://127.0.0.1:%d" % sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def poll(cond, timeout: float = 60) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def raw_request(url: str, path: str, body: dict, headers: str = "") -> socket.socket:
+    """Send a POST and leave the connection open without reading: a client that may go away."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_frees_the_engine(tokenizer, stream):
+    with serving(build_app(fake_target(tokenizer), Endless())) as url:
+        s = raw_request(url, "/v1/chat/completions", {"messages": CHAT, "stream": stream})  # no max_tokens: endless
+        assert poll(lambda: health(url)["running"] == 1)
+        s.close()
+        assert poll(lambda: health(url)["cancelled"] == 1 and health(url)["running"] == 0)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert health(url)["completed"] == 1
+
+
+def test_a_full_queue_answers_503(tokenizer):
+    with serving(build_app(fake_target(tokenizer), Endless(), max_queue=1)) as url:
+        busy = raw_request(url, "/v1/chat/completions", {"messages": CHAT})
+        assert poll(lambda: health(url)["running"] == 1)
+        waiting = raw_request(url, "/v1/chat/completions", {"messages": CHAT})
+        assert poll(lambda: health(url)["queued"] == 1)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "busy: 1 requests are already waiting (serve --max-queue 1)" in r.json()["error"]["message"]
+        busy.close()
+        waiting.close()
+        assert poll(lambda: health(url)["running"] == 0 and health(url)["queued"] == 0)
+
+
+def test_api_key_body_cap_and_strict_fields(tokenizer):
+    app = build_app(fake_target(tokenizer), Endless(), api_key="s3cret", max_body_bytes=2000)
+    good = {"Authorization": "Bearer s3cret"}
+    with serving(app) as url:
+        assert httpx.get(f"{url}/health").status_code == 200  # open, for load balancers
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.get(f"{url}/v1/models", headers=headers)
+            assert r.status_code == 401 and "serve --api-key" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/v1/models", headers=good).status_code == 200
+        big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=big, headers=good)
+        assert r.status_code == 413 and "limit of 2000 bytes" in r.json()["error"]["message"]
+        chunked = httpx.post(f"{url}/v1/chat/completions", content=iter([json.dumps(big).encode()]),
+                             headers={**good, "content-type": "application/json"})
+        assert chunked.status_code == 413
+        for field, value in (("max_tokens", True), ("seed", 2 ** 70), ("n", True)):
+            r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, field: value}, headers=good)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "seed": 2 ** 63},
+                       headers=good, timeout=60)
+        assert r.status_code == 200
+
+
+def test_tokenisation_does_not_block_the_event_loop(tokenizer):
+    gated = GatedTokenizer(tokenizer)
+    with serving(build_app(fake_target(gated), Endless())) as url:
+        s = raw_request(url, "/v1/completions", {"prompt": "BLOCK " * 10, "max_tokens": 2})
+        try:
+            assert gated.entered.wait(60)
+            assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # answered while tokenising
+        finally:
+            gated.release.set()
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def long_context_target(tmp_path_factory):
+    # A context of 32k tokens: a request without max_tokens runs for minutes on the CPU.
+    return save_tiny_target(tmp_path_factory.mktemp("tiny") / "model", context=1 << 15)
+
+
+def test_sigterm_stops_the_server_with_a_long_request_in_flight(long_context_target):
+    proc = start_cli("serve", "--port", "0", "--shutdown-timeout", "2", f"target.path={long_context_target}",
+                     "target.device=cpu")
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the server did not start"
+        url = line.split("listening on", 1)[1].strip().removesuffix("/v1")
+        s = raw_request(url, "/v1/completions", {"prompt": "Once upon a time"} | {"max_tokens": 30000})
+        assert poll(lambda: health(url)["running"] == 1, 120)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)  # raises TimeoutExpired if the server is still running after 10 s
+        s.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
