@@ -130,8 +130,8 @@ def _ce_chunk(logits: Tensor, labels: Tensor, want_grad: bool) -> tuple[Tensor, 
     top = z.argmax(-1)
     if not want_grad:
         return ce, top, None
-    p = torch.exp(z - lse[:, None])
-    d = p.scatter_add(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
+    # In place: eager (CPU) holds the logits and one [c, V] buffer, not four.
+    d = (z - lse[:, None]).exp_().scatter_add_(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
     return ce, top, d.to(logits.dtype)
 
 
