@@ -130,20 +130,23 @@ def _ce_chunk(logits: Tensor, labels: Tensor, want_grad: bool) -> tuple[Tensor, 
     top = z.argmax(-1)
     if not want_grad:
         return ce, top, None
-    # In place: eager (CPU) holds the logits and one [c, V] buffer, not four.
-    d = (z - lse[:, None]).exp_().scatter_add_(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
-    return ce, top, d.to(logits.dtype)
+    # softmax - onehot in one [c, V] buffer of the logits' dtype: the softmax (in place when eager,
+    # one fused pass when compiled), then the label column alone, p_label - 1 = exp(-CE) - 1 in
+    # fp32. A full-width one-hot, or a scatter into fp32, would hold more [c, V] buffers.
+    d = (z - lse[:, None]).exp_().to(logits.dtype)
+    return ce, top, d.scatter_(1, labels[:, None], (torch.exp(-ce) - 1).to(d.dtype)[:, None])
 
 
 def _kl_chunk(logits: Tensor, target_logits: Tensor, temperature: float, want_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Per-row T^2 * KL(p_target || p_drafter) at temperature T, and its gradient T (p_d - p_t)."""
-    ls = torch.log_softmax(logits.float() / temperature, dim=-1)
-    lt = torch.log_softmax(target_logits.float() / temperature, dim=-1)
-    pt = lt.exp()
-    kl = temperature**2 * (pt * (lt - ls)).sum(-1)
+    """Per-row T^2 * KL(p_target || p_drafter) at temperature T, and its gradient T (p_d - p_t).
+    Written through the two log-normalisers only, so that compiled it holds no fp32 [c, V] buffer."""
+    s, t = logits.float() / temperature, target_logits.float() / temperature
+    lse_s, lse_t = torch.logsumexp(s, -1, keepdim=True), torch.logsumexp(t, -1, keepdim=True)
+    pt = torch.exp(t - lse_t)
+    kl = temperature**2 * (pt * ((t - lse_t) - (s - lse_s))).sum(-1)
     if not want_grad:
         return kl, None
-    return kl, (temperature * (ls.exp() - pt)).to(logits.dtype)
+    return kl, (temperature * (torch.exp(s - lse_s) - pt)).to(logits.dtype)
 
 
 @lru_cache(maxsize=None)
