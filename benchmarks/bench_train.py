@@ -47,7 +47,7 @@ import torch
 from dflashkit import masks
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, training_hidden
 from dflashkit.objective import IGNORE, LossOut, micro_batch, pad_anchors, sample_anchors, slot_weights
-from dflashkit.train import Dist, Trainer, init_distributed
+from dflashkit.train import SEQ_MULTIPLE, Dist, Trainer, init_distributed
 
 QWEN3_8B = dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, target_layers=36,
                 taps=[1, 9, 17, 25, 33], layers=5, block=16, seq=3072, anchors=512, prompt=256)
@@ -285,10 +285,8 @@ def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: f
     """Longest sequence whose training step fits in `budget_gib`: the peak is affine in the length
     at a fixed anchor count, so measure two lengths, extrapolate, then run that length under a
     memory cap (CUDA) and step down 10 % while it does not fit."""
-    cfg = trainer.cfg
-    mult = 64
-    t0 = shape["seq"]
-    t1 = 2 * t0
+    cfg, mult = trainer.cfg, SEQ_MULTIPLE  # lengths as the trainer pads them
+    t0, t1 = shape["seq"], 2 * shape["seq"]
     p0 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t0), mem)
     p1 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t1), mem)
     per_token = (p1 - p0) / (t1 - t0)
