@@ -14,8 +14,9 @@ Memory columns (GiB): `resident` = what lives between steps (bf16 drafter, the t
 and LM head, the batch, fp32 master weights and AdamW moments); `fwd+bwd, weights only` = the
 peak of forward + backward counted on bf16 weights alone (no master copy, no optimiser state: the
 footing of a bare objective measurement); `trainer peak` = the peak over forward + backward and
-the full optimiser step, everything resident. On CPU the columns are the process's resident set
-(VmRSS / VmHWM), interpreter and libraries included: only differences between rows mean much.
+the full optimiser step, everything resident. All three count from what was in use before the
+variant started (`baseline_gib` in the JSON). On CPU they are the process's resident set (VmRSS /
+VmHWM): a coarser count than the CUDA allocator's.
 
 `--max-seq GIB`: the longest sequence (anchors per sequence fixed at the recipe's) whose full
 training step fits in GIB: the trainer peak measured at two lengths, extrapolated linearly, then
@@ -208,6 +209,7 @@ def make_trainer(shape: dict, device, dtype, backend: str, compile_: bool, d: Di
 def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters: int, warmup: int, d: Dist,
                  micro: int = 1, objective: str = "ours", max_seq_gib: float | None = None) -> dict:
     mem = Memory(device)
+    base = mem.now()  # whatever an earlier variant left behind (interpreter and libraries on CPU): not ours
     trainer, weights = make_trainer(shape, device, dtype, backend, compile_, d, objective, mem)
     drafter = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
     before = mem.now()
@@ -261,12 +263,13 @@ def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters
     res["tflops"] = round(flops / (res["fwd_bwd_ms"] / 1e3) / 1e12, 1)
     res["block_tokens_per_s"] = round(mb.anchors.numel() * drafter.config.block_size / (res["fwd_bwd_ms"] / 1e3))
     if resident is not None and None not in peaks.values():
-        res["resident_gib"] = gib(resident)
-        res["fwd_bwd_peak_gib"] = gib(peaks["fwd_bwd"])
-        res["step_peak_gib"] = gib(peaks["step"])
-        res["peak_mem_gib"] = gib(max(peaks.values()))  # the trainer's peak, everything resident
+        res["baseline_gib"] = gib(base)
+        res["resident_gib"] = gib(resident - base)
+        res["fwd_bwd_peak_gib"] = gib(peaks["fwd_bwd"] - base)
+        res["step_peak_gib"] = gib(peaks["step"] - base)
+        res["peak_mem_gib"] = gib(max(peaks.values()) - base)  # the trainer's peak, everything resident
         # The same forward + backward counted on bf16 weights alone: what it adds on top of resident.
-        res["fwd_bwd_weights_only_gib"] = gib(weights + peaks["fwd_bwd"] - resident)
+        res["fwd_bwd_weights_only_gib"] = gib(weights - base + peaks["fwd_bwd"] - resident)
     if max_seq_gib:
         res["max_seq"] = longest_sequence(trainer, shape, device, dtype, max_seq_gib, mem, d.rank)
     return res
