@@ -7,26 +7,26 @@ random features stand in for its 36 layers. Reports ms per step (forward + backw
 optimiser step), block-tokens/s, model FLOP/s and MFU against an 8192^3 bf16 matmul measured in
 the same run, and memory, for each attention path (FlexAttention block-sparse, dense mask) and
 each objective: ours (the chunked LM head of `objective.py`) and SpecForge's DFlash loss
-(`--objectives`: the same drafter, masks and batch; the LM head on every block slot at once, its
+(`--objectives ours,specforge`: the same drafter, masks and batch; the LM head on every block slot at once, its
 [slots, vocab] logits kept for backward, `F.cross_entropy`; see `specforge_objective`).
 
 Memory columns (GiB): `resident` = what lives between steps (bf16 drafter, the target's embedding
-and LM head, the batch, fp32 master weights and AdamW moments); `fwd+bwd, weights only` = the
+and LM head, the batch, fp32 master weights and AdamW moments); `f+b w-only` = the
 peak of forward + backward counted on bf16 weights alone (no master copy, no optimiser state: the
-footing of a bare objective measurement); `trainer peak` = the peak over forward + backward and
+footing of a bare objective measurement); `peak GiB` = the trainer's peak over forward + backward and
 the full optimiser step, everything resident. All three count from what was in use before the
 variant started (`baseline_gib` in the JSON). On CPU they are the process's resident set (VmRSS /
 VmHWM): a coarser count than the CUDA allocator's.
 
 `--max-seq GIB`: the longest sequence (anchors per sequence fixed at the recipe's) whose full
-training step fits in GIB: the trainer peak measured at two lengths, extrapolated linearly, then
+training step fits in GIB: the trainer's peak measured at two lengths, extrapolated linearly, then
 checked at that length under `torch.cuda.set_per_process_memory_fraction` (stepping down 10 %
 while it runs out of memory). The target model itself is not resident here.
 
     python benchmarks/bench_train.py                      # GPU, the shapes above
     python benchmarks/bench_train.py --tiny               # CPU smoke test of the same code
-    python benchmarks/bench_train.py --mid --variants sdpa:eager   # CPU memory, Qwen3's vocabulary
-    python benchmarks/bench_train.py --variants flex:compile --max-seq 40   # + longest sequence in 40 GiB
+    python benchmarks/bench_train.py --mid --variants sdpa:eager --objectives ours,specforge   # CPU memory
+    python benchmarks/bench_train.py --variants flex:compile --objectives ours,specforge --max-seq 40
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --scaling   # DDP weak scaling
     python benchmarks/bench_train.py --variants pipeline  # `train()` end to end, SmolLM2-shaped random target
 """
@@ -394,7 +394,7 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per optimiser step (per rank)")
     ap.add_argument("--pipeline", type=int, default=20, metavar="STEPS", help="steps of the 'pipeline' variant (train())")
     ap.add_argument("--pipeline-micro", type=int, default=16)
-    ap.add_argument("--objectives", default="ours,specforge", help=f"comma-separated among {', '.join(OBJECTIVES)}")
+    ap.add_argument("--objectives", default="ours", help=f"comma-separated among {', '.join(OBJECTIVES)}")
     ap.add_argument("--max-seq", type=float, default=None, metavar="GIB",
                     help="also find the longest sequence whose training step fits in GIB (per variant and objective)")
     ap.add_argument("--head-chunk-logits", type=int, default=None, metavar="N",
