@@ -208,7 +208,7 @@ def make_trainer(shape: dict, device, dtype, backend: str, compile_: bool, d: Di
 
 
 def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters: int, warmup: int, d: Dist,
-                 micro: int = 1, objective: str = "ours", max_seq_gib: float | None = None) -> dict:
+                 micro: int = 1, objective: str = "ours") -> tuple[dict, Trainer]:
     mem = Memory(device)
     base = mem.now()  # whatever an earlier variant left behind (interpreter and libraries on CPU): not ours
     trainer, weights = make_trainer(shape, device, dtype, backend, compile_, d, objective, mem)
@@ -271,9 +271,7 @@ def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters
         res["peak_mem_gib"] = gib(max(peaks.values()) - base)  # the trainer's peak, everything resident
         # The same forward + backward counted on bf16 weights alone: what it adds on top of resident.
         res["fwd_bwd_weights_only_gib"] = gib(weights - base + peaks["fwd_bwd"] - resident)
-    if max_seq_gib:
-        res["max_seq"] = longest_sequence(trainer, shape, device, dtype, max_seq_gib, mem, d.rank)
-    return res
+    return res, trainer
 
 
 def step_peak(trainer: Trainer, mb, mem: Memory) -> float:
@@ -284,12 +282,11 @@ def step_peak(trainer: Trainer, mb, mem: Memory) -> float:
     return mem.peak()
 
 
-def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: float, mem: Memory, seed: int,
-                     tries: int = 4) -> dict:
+def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: float, seed: int, tries: int = 4) -> dict:
     """Longest sequence whose training step fits in `budget_gib`: the peak is affine in the length
     at a fixed anchor count, so measure two lengths, extrapolate, then run that length under a
     memory cap (CUDA) and step down 10 % while it does not fit."""
-    cfg, mult = trainer.cfg, SEQ_MULTIPLE  # lengths as the trainer pads them
+    cfg, mult, mem = trainer.cfg, SEQ_MULTIPLE, Memory(device)  # lengths as the trainer pads them
     t0, t1 = shape["seq"], 2 * shape["seq"]
     p0 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t0), mem)
     p1 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t1), mem)
@@ -418,7 +415,15 @@ def main() -> int:
     if cuda and not args.no_ceiling and d.main:
         report["matmul_tflops"] = round(matmul_ceiling(device), 1)
         print(f"bf16 8192^3 matmul: {report['matmul_tflops']} TFLOP/s", flush=True)
+
     out = Path(args.out) / f"bench_train{'_tiny' if args.tiny else '_mid' if args.mid else ''}{'_x' + str(d.world) if d.world > 1 else ''}.json"
+
+    def save(r: dict) -> None:  # after each measurement: a killed run keeps what it measured
+        if d.main:
+            print(json.dumps(r), flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1))
+
     for v in args.variants.split(","):
         if v == "pipeline":
             if d.main:
@@ -437,19 +442,24 @@ def main() -> int:
             gc.collect()  # the previous trainer (a reference cycle through its swapped `_forward`) must be gone
             if cuda:
                 torch.cuda.empty_cache()
+            trainer = None
             try:
-                r = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d, micro,
-                                 objective, args.max_seq)
+                r, trainer = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d,
+                                          micro, objective)
             except Exception as e:  # report and carry on with the other variants
                 r = {"backend": backend, "compile": mode == "compile", "objective": objective,
                      "error": f"{type(e).__name__}: {e}"[:2000]}
             if "matmul_tflops" in report and "tflops" in r:
                 r["mfu"] = round(r["tflops"] / report["matmul_tflops"], 3)
             report["variants"].append(r)
-            if d.main:
-                print(json.dumps(r), flush=True)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(report, indent=1))  # after each variant: a killed run keeps what it measured
+            save(r)
+            if trainer is not None and args.max_seq:
+                try:
+                    r["max_seq"] = longest_sequence(trainer, shape, device, dtype, args.max_seq, d.rank)
+                except Exception as e:
+                    r["max_seq_error"] = f"{type(e).__name__}: {e}"[:2000]
+                save(r)
+            del trainer
     if d.main:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
