@@ -374,6 +374,28 @@ def test_feature_noise_reaches_fc_inputs_only(tiny_target, monkeypatch):
 # ---- back-ends ----------------------------------------------------------------------------
 
 
+def test_dense_training_mask_is_one_additive_tensor_for_all_layers(tiny_target, monkeypatch):
+    """SDPA would convert a boolean mask on every layer and keep each copy for backward."""
+    import dflashkit.drafter as dr
+
+    drafter = make_tiny_drafter(tiny_target)
+    mb = _batch(tiny_target, drafter, anchors=((3, 17, 29),))
+    seen = []
+    real = dr.attend
+    monkeypatch.setattr(dr, "attend", lambda q, k, v, mask: seen.append(mask) or real(q, k, v, mask))
+    h = training_hidden(drafter, tiny_target.embed, mb.input_ids, mb.features, mb.anchors, backend="sdpa")
+    assert len(seen) == drafter.config.num_hidden_layers and all(m is seen[0] for m in seen)
+    assert seen[0].dtype == mb.features.dtype
+    rule = masks.dense_mask(masks.training_layout(mb.anchors, drafter.config.block_size, mb.ctx_valid), None)
+    assert torch.equal(seen[0] == 0, rule) and bool((seen[0][~rule] == float("-inf")).all())
+    with torch.no_grad():
+        ids = dr.block_token_ids(mb.input_ids.gather(1, mb.anchors), drafter.config.block_size, drafter.config.mask_token_id)
+        T = mb.input_ids.shape[1]
+        boolean = drafter(tiny_target.embed(ids), mb.features, masks.block_positions(mb.anchors, drafter.config.block_size),
+                          torch.arange(T)[None], {"full_attention": rule})
+    torch.testing.assert_close(h.detach(), boolean)
+
+
 def test_flex_and_dense_attention_agree(tiny_target):
     if masks.create_block_mask is None:
         pytest.skip("FlexAttention is not available in this torch")
