@@ -5,10 +5,28 @@ Default shapes: a 5-layer drafter for a Qwen3-8B-shaped target (hidden 4096, int
 512 anchors, block 16, bf16. Only the target's embedding and LM head are needed (random), and
 random features stand in for its 36 layers. Reports ms per step (forward + backward, and the full
 optimiser step), block-tokens/s, model FLOP/s and MFU against an 8192^3 bf16 matmul measured in
-the same run, and peak memory, for each attention path (FlexAttention block-sparse, dense mask).
+the same run, and memory, for each attention path (FlexAttention block-sparse, dense mask) and
+each objective: ours (the chunked LM head of `objective.py`) and SpecForge's DFlash loss
+(`--objectives ours,specforge`: the same drafter, masks and batch; the LM head on every block slot at once, its
+[slots, vocab] logits kept for backward, `F.cross_entropy`; see `specforge_objective`).
+
+Memory columns (GiB): `resident` = what lives between steps (bf16 drafter, the target's embedding
+and LM head, the batch, fp32 master weights and AdamW moments); `f+b w-only` = the
+peak of forward + backward counted on bf16 weights alone (no master copy, no optimiser state: the
+footing of a bare objective measurement); `peak GiB` = the trainer's peak over forward + backward and
+the full optimiser step, everything resident. All three count from what was in use before the
+variant started (`baseline_gib` in the JSON). On CPU they are the process's resident set (VmRSS /
+VmHWM): a coarser count than the CUDA allocator's.
+
+`--max-seq GIB`: the longest sequence (anchors per sequence fixed at the recipe's) whose full
+training step fits in GIB: the trainer's peak measured at two lengths, extrapolated linearly, then
+checked at that length under `torch.cuda.set_per_process_memory_fraction` (stepping down 10 %
+while it runs out of memory). The target model itself is not resident here.
 
     python benchmarks/bench_train.py                      # GPU, the shapes above
     python benchmarks/bench_train.py --tiny               # CPU smoke test of the same code
+    python benchmarks/bench_train.py --mid --variants sdpa:eager --objectives ours,specforge   # CPU memory
+    python benchmarks/bench_train.py --variants flex:compile --objectives ours,specforge --max-seq 40
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --scaling   # DDP weak scaling
     python benchmarks/bench_train.py --variants pipeline  # `train()` end to end, SmolLM2-shaped random target
 """
@@ -16,6 +34,7 @@ the same run, and peak memory, for each attention path (FlexAttention block-spar
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -27,14 +46,18 @@ from types import SimpleNamespace
 import torch
 
 from dflashkit import masks
-from dflashkit.drafter import DFlashDrafter, DrafterConfig
-from dflashkit.objective import micro_batch, pad_anchors, sample_anchors
-from dflashkit.train import Dist, Trainer, init_distributed
+from dflashkit import objective as objective_mod
+from dflashkit.drafter import DFlashDrafter, DrafterConfig, training_hidden
+from dflashkit.objective import IGNORE, LossOut, micro_batch, pad_anchors, sample_anchors, slot_weights
+from dflashkit.train import SEQ_MULTIPLE, Dist, Trainer, init_distributed
 
 QWEN3_8B = dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, target_layers=36,
                 taps=[1, 9, 17, 25, 33], layers=5, block=16, seq=3072, anchors=512, prompt=256)
 TINY = dict(hidden=64, inter=128, heads=4, kv=2, head_dim=16, vocab=512, target_layers=8, taps=[1, 3, 5],
             layers=2, block=8, seq=96, anchors=16, prompt=8)
+# A CPU-sized drafter with Qwen3's full vocabulary: where the LM head's memory shows on a CPU.
+MID = dict(hidden=256, inter=768, heads=4, kv=2, head_dim=64, vocab=151936, target_layers=36, taps=[1, 9, 17, 25, 33],
+           layers=2, block=16, seq=1024, anchors=128, prompt=64)
 
 
 def train_settings(**kw) -> SimpleNamespace:
@@ -62,8 +85,8 @@ def matmul_ceiling(device: torch.device, n: int = 8192, reps: int = 10) -> float
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def build_case(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """(drafter, embedding, LM head weight, one micro-batch) at `shape`, random."""
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(drafter, embedding, LM head weight) at `shape`, random."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"], head_dim=shape["head_dim"],
@@ -73,14 +96,83 @@ def build_case(shape: dict, device: torch.device, dtype: torch.dtype, seed: int 
         drafter = DFlashDrafter(cfg)
         embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(dtype).requires_grad_(False)
         head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(dtype)
-    T = shape["seq"]
-    ids = torch.randint(0, cfg.vocab_size - 1, (1, T))
+    return drafter, embed, head
+
+
+def build_batch(shape: dict, cfg: DrafterConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                seq: int | None = None):
+    """One micro-batch: a sequence of `seq` tokens (default the shape's), `shape['anchors']` anchors."""
+    T = seq or shape["seq"]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size - 1, (1, T), generator=g)
     loss_mask = torch.ones(1, T, dtype=torch.bool)
     loss_mask[:, : shape["prompt"]] = False
-    anchors, valid = pad_anchors([sample_anchors(loss_mask[0], shape["anchors"], torch.Generator().manual_seed(seed))])
-    feats = torch.randn(1, T, cfg.num_taps * cfg.hidden_size, device=device, dtype=dtype)
-    mb = micro_batch(ids, loss_mask, torch.ones_like(loss_mask), feats, anchors, valid, cfg.block_size).to(device)
-    return drafter, embed, head, mb
+    anchors, valid = pad_anchors([sample_anchors(loss_mask[0], shape["anchors"], g)])
+    feats = torch.randn(1, T, cfg.num_taps * cfg.hidden_size, device=device, dtype=dtype,
+                        generator=torch.Generator(device).manual_seed(seed))
+    return micro_batch(ids, loss_mask, torch.ones_like(loss_mask), feats, anchors, valid, cfg.block_size).to(device)
+
+
+def specforge_objective(model, embed, head_weight: torch.Tensor, mb, settings, backend: str) -> LossOut:
+    """SpecForge's DFlash loss (`OnlineDFlashModel.forward`, loss_type 'dflash', decay gamma) on
+    our drafter, masks and batch: the LM head on every block slot at once ([slots, vocab] logits,
+    kept for backward with their log-softmax), `F.cross_entropy` per slot, the decay-weighted mean
+    over labelled slots, argmax accuracy. Same loss value as ours; only the memory layout differs."""
+    B = model.config.block_size
+    hidden = training_hidden(model, embed, mb.input_ids, mb.features, mb.anchors, mb.ctx_valid, backend)
+    logits = (hidden @ head_weight.T).flatten(0, 1)  # [b * n * B, V]
+    labels = mb.labels.flatten()
+    valid = labels != IGNORE
+    ce = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    w = slot_weights(B, settings.gamma, logits.device).repeat(labels.numel() // B) * valid
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & valid
+    slot = torch.arange(labels.numel(), device=labels.device) % B
+    return LossOut(loss_sum=(w * ce).sum(), weight_sum=w.sum().detach(),
+                   slot_correct=torch.zeros(B, device=ce.device).index_add_(0, slot, hit.float()),
+                   slot_count=torch.zeros(B, device=ce.device).index_add_(0, slot, valid.float()),
+                   accept_len=1 + hit.view(-1, B)[:, 1:].long().cumprod(-1).sum(-1),
+                   block_valid=valid.view(-1, B).any(-1))
+
+
+OBJECTIVES = ("ours", "specforge")
+
+
+class Memory:
+    """Bytes in use now and at peak since `reset`: the CUDA caching allocator's counters on GPU; on
+    a Linux CPU the process's resident set (VmRSS, VmHWM reset through /proc/self/clear_refs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    @staticmethod
+    def _status(key: str) -> float | None:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith(key + ":"):
+                    return float(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def now(self) -> float | None:
+        return float(torch.cuda.memory_allocated()) if self.cuda else self._status("VmRSS")
+
+    def peak(self) -> float | None:
+        return float(torch.cuda.max_memory_allocated()) if self.cuda else self._status("VmHWM")
+
+
+def gib(x: float | None) -> float | None:
+    return None if x is None else round(x / 2**30, 2)
 
 
 def step_flops(cfg: DrafterConfig, mb) -> float:
@@ -100,38 +192,65 @@ def step_flops(cfg: DrafterConfig, mb) -> float:
     return 3 * (block + ctx_kv + attn) + 2 * (fc + head)
 
 
-def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters: int, warmup: int, d: Dist,
-                 micro: int = 1) -> dict:
-    drafter, embed, head, mb = build_case(shape, device, dtype, seed=d.rank)
+def make_trainer(shape: dict, device, dtype, backend: str, compile_: bool, d: Dist, objective: str, mem: Memory):
+    """A Trainer on a random drafter, its `_forward` swapped for `objective`; and the bytes in use
+    once the bf16 weights (drafter, embedding, LM head) exist, before the trainer's fp32 state."""
+    drafter, embed, head = build_model(shape, device, dtype, seed=d.rank)
+    drafter.to(dtype)  # as the trainer will: count bf16 weights, not the fp32 they were drawn in
+    weights = mem.now()
     trainer = Trainer(drafter, embed, head, train_settings(), total_steps=10_000, device=device, dtype=dtype, d=d,
                       backend=backend, compile=compile_)
+    del head  # the trainer keeps its own reference
+    if objective == "specforge":
+        trainer._forward = lambda mb: specforge_objective(trainer.model, trainer.embed, trainer.head_weight, mb,
+                                                          trainer.settings, backend)
+    return trainer, weights
+
+
+def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters: int, warmup: int, d: Dist,
+                 micro: int = 1, objective: str = "ours") -> tuple[dict, Trainer]:
+    mem = Memory(device)
+    base = mem.now()  # whatever an earlier variant left behind (interpreter and libraries on CPU): not ours
+    trainer, weights = make_trainer(shape, device, dtype, backend, compile_, d, objective, mem)
+    drafter = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
+    before = mem.now()
+    mb = build_batch(shape, drafter.config, device, dtype, seed=d.rank)
+    if weights is not None:
+        weights += mem.now() - before  # the batch belongs to both footings
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    for _ in range(warmup):  # compile + autotune happen here
+    for _ in range(warmup):  # compile + autotune happen here; the first step allocates the AdamW moments
         trainer.step([mb] * micro, micro)
     sync()
     warm_s = time.perf_counter() - t0
 
+    loss = []
+
     def fwd_bwd():
         out = trainer._forward(mb)
         out.loss_sum.backward()
+        loss[:] = [out.loss_sum.detach() / out.weight_sum]
         for p in trainer.params:
             p.grad = None
 
-    res = {"backend": backend, "compile": compile_, "warmup_s": round(warm_s, 1), "micro_batches": micro}
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    res = {"backend": backend, "compile": compile_, "objective": objective, "warmup_s": round(warm_s, 1),
+           "micro_batches": micro}
+    resident = mem.now()
+    peaks = {}
     for name, fn in (("fwd_bwd", fwd_bwd), ("step", lambda: trainer.step([mb] * micro, micro))):
         times = []
+        mem.reset()
         for _ in range(iters):
             sync()
             t = time.perf_counter()
             fn()
             sync()
             times.append(time.perf_counter() - t)
+        peaks[name] = mem.peak()
         res[f"{name}_ms"] = round(1e3 * statistics.median(times), 2)
         res[f"{name}_ms_min"] = round(1e3 * min(times), 2)
+    res["loss"] = round(float(loss[0]), 5)  # the same weights and batch: the objectives must agree
     # Mask construction alone (inside fwd_bwd already): how much of the step it is.
     layout = masks.training_layout(mb.anchors, drafter.config.block_size, mb.ctx_valid)
     sync()
@@ -140,11 +259,63 @@ def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters
         masks.layer_masks(layout, drafter.config.layer_types, None, backend)
     sync()
     res["mask_build_ms"] = round(1e3 * (time.perf_counter() - t) / 5, 2)
-    flops = step_flops(drafter.config, mb)
+    flops = step_flops(drafter.config, mb)  # the useful work, whichever objective does it
     res["model_tflop_per_step"] = round(flops / 1e12, 2)
     res["tflops"] = round(flops / (res["fwd_bwd_ms"] / 1e3) / 1e12, 1)
     res["block_tokens_per_s"] = round(mb.anchors.numel() * drafter.config.block_size / (res["fwd_bwd_ms"] / 1e3))
-    res["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
+    if resident is not None and None not in peaks.values():
+        res["baseline_gib"] = gib(base)
+        res["resident_gib"] = gib(resident - base)
+        res["fwd_bwd_peak_gib"] = gib(peaks["fwd_bwd"] - base)
+        res["step_peak_gib"] = gib(peaks["step"] - base)
+        res["peak_mem_gib"] = gib(max(peaks.values()) - base)  # the trainer's peak, everything resident
+        # The same forward + backward counted on bf16 weights alone: what it adds on top of resident.
+        res["fwd_bwd_weights_only_gib"] = gib(weights - base + peaks["fwd_bwd"] - resident)
+    return res, trainer
+
+
+def step_peak(trainer: Trainer, mb, mem: Memory) -> float:
+    """Peak bytes over one full training step on `mb` (after one unmeasured step: compilation)."""
+    trainer.step([mb], 1)
+    mem.reset()
+    trainer.step([mb], 1)
+    return mem.peak()
+
+
+def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: float, seed: int, tries: int = 4) -> dict:
+    """Longest sequence whose training step fits in `budget_gib`: the peak is affine in the length
+    at a fixed anchor count, so measure two lengths, extrapolate, then run that length under a
+    memory cap (CUDA) and step down 10 % while it does not fit."""
+    cfg, mult, mem = trainer.cfg, SEQ_MULTIPLE, Memory(device)  # lengths as the trainer pads them
+    t0, t1 = shape["seq"], 2 * shape["seq"]
+    p0 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t0), mem)
+    p1 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t1), mem)
+    per_token = (p1 - p0) / (t1 - t0)
+    budget = budget_gib * 2**30
+    predicted = int(t0 + (budget - p0) / per_token) // mult * mult if per_token > 0 else None
+    res = {"budget_gib": budget_gib, "peak_gib_at": {t0: gib(p0), t1: gib(p1)},
+           "mib_per_1k_tokens": round(per_token * 1000 / 2**20, 1), "predicted": predicted, "fits": None}
+    if device.type != "cuda" or predicted is None or predicted <= shape["prompt"] + shape["block"]:
+        return res  # no allocator cap to check it against
+    total = torch.cuda.get_device_properties(device).total_memory
+    T = predicted
+    try:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+        for _ in range(tries):
+            torch.cuda.empty_cache()
+            try:
+                trainer.step([build_batch(shape, cfg, device, dtype, seed, T)], 1)
+                res["fits"] = T
+                break
+            except torch.cuda.OutOfMemoryError:
+                trainer.optimizer.zero_grad(set_to_none=True)
+                for p in trainer.params:
+                    p.grad = None
+                res.setdefault("out_of_memory_at", []).append(T)
+                T = int(T * 0.9) // mult * mult
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
     return res
 
 
@@ -188,9 +359,30 @@ def pipeline(steps: int, device: torch.device, out_dir: str, micro: int, tiny: b
             "tau_sim": [r["tau_sim"] for r in rows if r["kind"] == "eval"]}
 
 
+def print_table(rows: list[dict]) -> None:
+    cols = [("variant", 14), ("objective", 10), ("fwd+bwd ms", 11), ("step ms", 9), ("TFLOP/s", 8), ("MFU", 6),
+            ("blk-tok/s", 10), ("resident", 9), ("f+b w-only", 11), ("peak GiB", 9), ("mask ms", 8)]
+    print("".join(f"{c:>{w}}" if i > 1 else f"{c:<{w}}" for i, (c, w) in enumerate(cols)))
+    for r in rows:
+        name = f"{r['backend']}:{'compile' if r['compile'] else 'eager'}"
+        if "error" in r:
+            print(f"{name:<14}{r['objective']:<10} ERROR {r['error'][:200]}")
+            continue
+        vals = [r["fwd_bwd_ms"], r["step_ms"], r["tflops"], r.get("mfu"), r["block_tokens_per_s"], r.get("resident_gib"),
+                r.get("fwd_bwd_weights_only_gib"), r.get("peak_mem_gib"), r["mask_build_ms"]]
+        print(f"{name:<14}{r['objective']:<10}" + "".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols[2:])))
+    for r in rows:
+        m = r.get("max_seq")
+        if m:
+            print(f"longest sequence in {m['budget_gib']} GiB, {r['backend']} {r['objective']}: predicted {m['predicted']} "
+                  f"tokens ({m['mib_per_1k_tokens']} MiB per 1k tokens; peaks {m['peak_gib_at']} GiB), "
+                  f"fits under the cap: {m['fits']}" + (f" (out of memory at {m['out_of_memory_at']})" if "out_of_memory_at" in m else ""))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
+    ap.add_argument("--mid", action="store_true", help="CPU, a small drafter with Qwen3's 151936-token vocabulary")
     ap.add_argument("--variants", default="flex:compile,sdpa:compile",
                     help="comma-separated backend:compile|eager, or 'pipeline' (train() end to end)")
     ap.add_argument("--iters", type=int, default=10)
@@ -199,21 +391,39 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per optimiser step (per rank)")
     ap.add_argument("--pipeline", type=int, default=20, metavar="STEPS", help="steps of the 'pipeline' variant (train())")
     ap.add_argument("--pipeline-micro", type=int, default=16)
+    ap.add_argument("--objectives", default="ours", help=f"comma-separated among {', '.join(OBJECTIVES)}")
+    ap.add_argument("--max-seq", type=float, default=None, metavar="GIB",
+                    help="also find the longest sequence whose training step fits in GIB (per variant and objective)")
+    ap.add_argument("--head-chunk-logits", type=int, default=None, metavar="N",
+                    help="logits per LM-head chunk of our objective (default objective.HEAD_CHUNK_LOGITS)")
     ap.add_argument("--no-ceiling", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_train.json")
     args = ap.parse_args()
+    objectives = args.objectives.split(",")
+    if args.head_chunk_logits:
+        objective_mod.HEAD_CHUNK_LOGITS = args.head_chunk_logits
+    if any(o not in OBJECTIVES for o in objectives):
+        ap.error(f"--objectives: expected names among {OBJECTIVES}, got {args.objectives!r}")
 
-    cuda = torch.cuda.is_available() and not args.tiny
+    cuda = torch.cuda.is_available() and not (args.tiny or args.mid)
     d = init_distributed(cuda)
     device = torch.device("cuda", d.local_rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = TINY if args.tiny else QWEN3_8B
+    shape = TINY if args.tiny else MID if args.mid else QWEN3_8B
     report: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-                    "shape": shape, "world": d.world, "variants": []}
+                    "shape": shape, "head_chunk_logits": objective_mod.HEAD_CHUNK_LOGITS, "world": d.world, "variants": []}
     if cuda and not args.no_ceiling and d.main:
         report["matmul_tflops"] = round(matmul_ceiling(device), 1)
         print(f"bf16 8192^3 matmul: {report['matmul_tflops']} TFLOP/s", flush=True)
-    out = Path(args.out) / f"bench_train{'_tiny' if args.tiny else ''}{'_x' + str(d.world) if d.world > 1 else ''}.json"
+
+    out = Path(args.out) / f"bench_train{'_tiny' if args.tiny else '_mid' if args.mid else ''}{'_x' + str(d.world) if d.world > 1 else ''}.json"
+
+    def save(r: dict) -> None:  # after each measurement: a killed run keeps what it measured
+        if d.main:
+            print(json.dumps(r), flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1))
+
     for v in args.variants.split(","):
         if v == "pipeline":
             if d.main:
@@ -228,28 +438,32 @@ def main() -> int:
         micro = int(micro[0]) if micro else args.micro
         if backend == "flex" and not cuda:
             continue  # no FlexAttention backward on CPU
-        try:
-            r = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d, micro)
-        except Exception as e:  # report and carry on with the other variants
-            r = {"backend": backend, "compile": mode == "compile", "error": f"{type(e).__name__}: {e}"[:2000]}
-        if "matmul_tflops" in report and "tflops" in r:
-            r["mfu"] = round(r["tflops"] / report["matmul_tflops"], 3)
-        report["variants"].append(r)
-        if d.main:
-            print(json.dumps(r), flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1))  # after each variant: a killed run keeps what it measured
+        for objective in objectives:
+            gc.collect()  # the previous trainer (a reference cycle through its swapped `_forward`) must be gone
+            if cuda:
+                torch.cuda.empty_cache()
+            trainer = None
+            try:
+                r, trainer = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d,
+                                          micro, objective)
+            except Exception as e:  # report and carry on with the other variants
+                r = {"backend": backend, "compile": mode == "compile", "objective": objective,
+                     "error": f"{type(e).__name__}: {e}"[:2000]}
+            if "matmul_tflops" in report and "tflops" in r:
+                r["mfu"] = round(r["tflops"] / report["matmul_tflops"], 3)
+            report["variants"].append(r)
+            save(r)
+            if trainer is not None and args.max_seq:
+                try:
+                    r["max_seq"] = longest_sequence(trainer, shape, device, dtype, args.max_seq, d.rank)
+                except Exception as e:
+                    r["max_seq_error"] = f"{type(e).__name__}: {e}"[:2000]
+                save(r)
+            del trainer
     if d.main:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-        print(f"{'variant':<16}{'fwd+bwd ms':>11}{'step ms':>9}{'TFLOP/s':>9}{'MFU':>7}{'blk-tok/s':>11}{'peak GiB':>10}{'mask ms':>9}")
-        for r in report["variants"]:
-            if "error" in r:
-                print(f"{r['backend']}:{'compile' if r['compile'] else 'eager':<10} ERROR {r['error'][:200]}")
-                continue
-            print(f"{r['backend'] + (':compile' if r['compile'] else ':eager'):<16}{r['fwd_bwd_ms']:>11}{r['step_ms']:>9}"
-                  f"{r['tflops']:>9}{r.get('mfu', float('nan')):>7}{r['block_tokens_per_s']:>11}{str(r['peak_mem_gib']):>10}"
-                  f"{r['mask_build_ms']:>9}")
+        print_table(report["variants"])
     if d.world > 1:
         torch.distributed.destroy_process_group()
     return 0

@@ -172,6 +172,102 @@ def test_chunked_head_matches_dense_autograd():
         head_losses(h, W.requires_grad_(), y)
 
 
+def _full_logits_reference(drafter, target, mb, settings):
+    """The loss of `block_loss` computed the plain way: [slots, vocab] logits for every slot, autograd."""
+    B, V = drafter.config.block_size, target.vocab_size
+    W = target.model.get_output_embeddings().weight.detach()
+    logits = training_hidden(drafter, target.embed, mb.input_ids, mb.features, mb.anchors, mb.ctx_valid) @ W.T
+    labels = mb.labels.view(-1, B)
+    valid = labels != IGNORE
+    ce = torch.nn.functional.cross_entropy(logits.view(-1, V), labels.flatten(), reduction="none").view(-1, B)
+    if settings.loss == "dpace":
+        w = dpace_weights(ce, valid, settings.dpace_alpha)
+    else:
+        w = slot_weights(B, settings.gamma).expand_as(ce) * valid
+    per = ce
+    if settings.loss == "kl":  # the target's distribution over position p comes from its final hidden state at p - 1
+        T = settings.kl_temperature
+        prev = (mb.anchors[..., None] + torch.arange(B) - 1).clamp(0, mb.input_ids.shape[1] - 1).flatten(1)
+        target_logits = torch.stack([mb.final_hidden[i, prev[i]] for i in range(len(prev))]) @ W.T
+        pt = torch.softmax(target_logits.view(-1, B, V) / T, -1)
+        kl = T * T * (pt * (pt.log() - torch.log_softmax(logits.view(-1, B, V) / T, -1))).sum(-1)
+        per = (1 - settings.kl_weight) * ce + settings.kl_weight * kl
+    loss = (w * per)[valid].sum() / w[valid].sum()
+    hit = (logits.view(-1, B, V).argmax(-1) == labels) & valid
+    return loss, hit
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl", "dpace"])
+def test_block_loss_in_row_chunks_equals_full_logits(tiny_target, loss):
+    """Values and gradients of the chunked head equal the loss over full [slots, vocab] logits."""
+    drafter = make_tiny_drafter(tiny_target)
+    lm = torch.ones(2, 40, dtype=torch.bool)
+    lm[0, 20:23] = False
+    lm[1, :6] = False
+    mb = _batch(tiny_target, drafter, anchors=((3, 17, 35), (6, 30)), loss_mask=lm, final=True)
+    W = tiny_target.model.get_output_embeddings().weight.detach()
+    settings = LossSettings(loss=loss, gamma=4.0, kl_weight=0.6, kl_temperature=2.0, dpace_alpha=0.3)
+    n_rows = len(mb.label_rows)
+    grads = []
+    for chunk in (3, n_rows):  # ragged chunks; one chunk
+        drafter.zero_grad()
+        out = block_loss(drafter, tiny_target.embed, W, mb, settings, chunk_rows=chunk)
+        got = out.loss_sum / out.weight_sum
+        got.backward()
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters()})
+    drafter.zero_grad()
+    want, hit = _full_logits_reference(drafter, tiny_target, mb, settings)
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(grads[0][n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(grads[1][n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    B = drafter.config.block_size
+    assert out.slot_correct.tolist() == hit.sum(0).float().tolist()
+    lead = hit[:, 1:].long().cumprod(-1).sum(-1) + 1
+    assert out.accept_len.tolist() == lead.tolist()
+    assert out.slot_count.tolist() == (mb.labels.view(-1, B) != IGNORE).sum(0).float().tolist()
+
+
+def test_trainer_runs_the_head_in_default_chunks(tiny_target, monkeypatch):
+    """The trainer's step (loss, gradients, accuracy) never holds more than HEAD_CHUNK_LOGITS logits."""
+    import dflashkit.objective as obj
+    from dflashkit.train import Trainer
+
+    V = tiny_target.vocab_size
+    monkeypatch.setattr(obj, "HEAD_CHUNK_LOGITS", 5 * V)  # 5 rows per chunk
+    chunks = []
+    real = obj._head_chunk
+
+    def spy(h, *a, **k):
+        chunks.append(h.shape[0])
+        return real(h, *a, **k)
+
+    monkeypatch.setattr(obj, "_head_chunk", spy)
+    drafter = make_tiny_drafter(tiny_target)
+    mb = _batch(tiny_target, drafter, anchors=((3, 17, 29),))
+    W = tiny_target.model.get_output_embeddings().weight
+    trainer = Trainer(drafter, tiny_target.embed, W, Config().train, 10, device=torch.device("cpu"), dtype=torch.float32)
+    stats = trainer.step([mb], 1)
+    n_rows = len(mb.label_rows)
+    assert n_rows > 10 and chunks == [5] * (n_rows // 5) + ([n_rows % 5] if n_rows % 5 else [])
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+
+
+def test_compiled_head_tails_equal_eager():
+    """The GPU compiles the elementwise tails of the head; compiled (here by the CPU backend of
+    inductor) they give the eager values, gradients in bf16 included."""
+    import dflashkit.objective as obj
+
+    g = torch.Generator().manual_seed(0)
+    z, zt = (torch.randn(6, 300, generator=g).to(torch.bfloat16) for _ in range(2))
+    y = torch.randint(0, 300, (6,), generator=g)
+    for fn, args in ((obj._ce_chunk, (z, y, True)), (obj._kl_chunk, (z, zt, 2.0, True))):
+        got, want = torch.compile(fn, dynamic=True)(*args), fn(*args)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_dpace_weights_follow_the_paper():
     ce = torch.tensor([[0.0, math.log(2), math.log(4), 0.3]])
     valid = torch.tensor([[False, True, True, False]])
@@ -276,6 +372,28 @@ def test_feature_noise_reaches_fc_inputs_only(tiny_target, monkeypatch):
 
 
 # ---- back-ends ----------------------------------------------------------------------------
+
+
+def test_dense_training_mask_is_one_additive_tensor_for_all_layers(tiny_target, monkeypatch):
+    """SDPA would convert a boolean mask on every layer and keep each copy for backward."""
+    import dflashkit.drafter as dr
+
+    drafter = make_tiny_drafter(tiny_target)
+    mb = _batch(tiny_target, drafter, anchors=((3, 17, 29),))
+    seen = []
+    real = dr.attend
+    monkeypatch.setattr(dr, "attend", lambda q, k, v, mask: seen.append(mask) or real(q, k, v, mask))
+    h = training_hidden(drafter, tiny_target.embed, mb.input_ids, mb.features, mb.anchors, backend="sdpa")
+    assert len(seen) == drafter.config.num_hidden_layers and all(m is seen[0] for m in seen)
+    assert seen[0].dtype == mb.features.dtype
+    rule = masks.dense_mask(masks.training_layout(mb.anchors, drafter.config.block_size, mb.ctx_valid), None)
+    assert torch.equal(seen[0] == 0, rule) and bool((seen[0][~rule] == float("-inf")).all())
+    with torch.no_grad():
+        ids = dr.block_token_ids(mb.input_ids.gather(1, mb.anchors), drafter.config.block_size, drafter.config.mask_token_id)
+        T = mb.input_ids.shape[1]
+        boolean = drafter(tiny_target.embed(ids), mb.features, masks.block_positions(mb.anchors, drafter.config.block_size),
+                          torch.arange(T)[None], {"full_attention": rule})
+    torch.testing.assert_close(h.detach(), boolean)
 
 
 def test_flex_and_dense_attention_agree(tiny_target):

@@ -130,20 +130,23 @@ def _ce_chunk(logits: Tensor, labels: Tensor, want_grad: bool) -> tuple[Tensor, 
     top = z.argmax(-1)
     if not want_grad:
         return ce, top, None
-    p = torch.exp(z - lse[:, None])
-    d = p.scatter_add(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
-    return ce, top, d.to(logits.dtype)
+    # softmax - onehot in one [c, V] buffer of the logits' dtype: the softmax (in place when eager,
+    # one fused pass when compiled), then the label column alone, p_label - 1 = exp(-CE) - 1 in
+    # fp32. A full-width one-hot, or a scatter into fp32, would hold more [c, V] buffers.
+    d = (z - lse[:, None]).exp_().to(logits.dtype)
+    return ce, top, d.scatter_(1, labels[:, None], (torch.exp(-ce) - 1).to(d.dtype)[:, None])
 
 
 def _kl_chunk(logits: Tensor, target_logits: Tensor, temperature: float, want_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Per-row T^2 * KL(p_target || p_drafter) at temperature T, and its gradient T (p_d - p_t)."""
-    ls = torch.log_softmax(logits.float() / temperature, dim=-1)
-    lt = torch.log_softmax(target_logits.float() / temperature, dim=-1)
-    pt = lt.exp()
-    kl = temperature**2 * (pt * (lt - ls)).sum(-1)
+    """Per-row T^2 * KL(p_target || p_drafter) at temperature T, and its gradient T (p_d - p_t).
+    Written through the two log-normalisers only, so that compiled it holds no fp32 [c, V] buffer."""
+    s, t = logits.float() / temperature, target_logits.float() / temperature
+    lse_s, lse_t = torch.logsumexp(s, -1, keepdim=True), torch.logsumexp(t, -1, keepdim=True)
+    pt = torch.exp(t - lse_t)
+    kl = temperature**2 * (pt * ((t - lse_t) - (s - lse_s))).sum(-1)
     if not want_grad:
         return kl, None
-    return kl, (temperature * (ls.exp() - pt)).to(logits.dtype)
+    return kl, (temperature * (torch.exp(s - lse_s) - pt)).to(logits.dtype)
 
 
 @lru_cache(maxsize=None)
@@ -153,13 +156,35 @@ def _fused(fn, cuda: bool):
     return torch.compile(fn, dynamic=True) if cuda else fn
 
 
+def _head_chunk(h: Tensor, weight: Tensor, labels: Tensor, target_h: Tensor | None, temperature: float,
+                out: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]) -> None:
+    """One row chunk into `out` = views of (CE, argmax, KL, d CE / d h, d KL / d h); None where not
+    wanted. The chunk's [c, V] logits and their gradient die on return, before the next chunk's."""
+    ce, top, kl, g_ce, g_kl = out
+    ce_fn, kl_fn = _fused(_ce_chunk, h.is_cuda), _fused(_kl_chunk, h.is_cuda)
+    logits = h @ weight.T
+    ce[:], top[:], d = ce_fn(logits, labels, g_ce is not None)
+    if g_ce is not None:
+        torch.mm(d, weight, out=g_ce)
+    if target_h is not None:
+        del d  # the KL pass needs a second [c, V] (the target's logits): drop the CE gradient first
+        kl[:], dk = kl_fn(logits, target_h @ weight.T, temperature, g_kl is not None)
+        if g_kl is not None:
+            torch.mm(dk, weight, out=g_kl)
+
+
+# Logits held at once by the head: rows per chunk = HEAD_CHUNK_LOGITS // vocab (1766 rows of
+# Qwen3's 151936). Each chunk holds its logits and their gradient ([c, V] each, 2 x 512 MiB in
+# bf16 there): that transient sits on top of every saved activation, at the peak of the step.
+HEAD_CHUNK_LOGITS = 1 << 28
+
+
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: Tensor | None,
                 temperature: float, chunk: int):
         n = hidden.shape[0]
         want_grad = ctx.needs_input_grad[0]
-        ce_fn, kl_fn = _fused(_ce_chunk, hidden.is_cuda), _fused(_kl_chunk, hidden.is_cuda)
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
         top = torch.empty(n, dtype=torch.long, device=hidden.device)
         kl = torch.empty(n if target_hidden is not None else 0, dtype=torch.float32, device=hidden.device)
@@ -167,14 +192,9 @@ class _ChunkedHead(torch.autograd.Function):
         g_kl = torch.empty_like(hidden) if want_grad and target_hidden is not None else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            logits = hidden[s:e] @ weight.T  # [c, V]: the only place a slice of the logits exists
-            ce[s:e], top[s:e], d = ce_fn(logits, labels[s:e], want_grad)
-            if want_grad:
-                torch.mm(d, weight, out=g_ce[s:e])
-            if target_hidden is not None:
-                kl[s:e], dk = kl_fn(logits, target_hidden[s:e] @ weight.T, temperature, want_grad)
-                if want_grad:
-                    torch.mm(dk, weight, out=g_kl[s:e])
+            part = lambda t: None if t is None else t[s:e]  # noqa: E731
+            _head_chunk(hidden[s:e], weight, labels[s:e], part(target_hidden), temperature,
+                        (ce[s:e], top[s:e], part(kl), part(g_ce), part(g_kl)))
         ctx.save_for_backward(g_ce, g_kl)
         ctx.mark_non_differentiable(top)
         return ce, kl, top
@@ -196,7 +216,7 @@ def head_losses(hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: T
     without `target_hidden`) and the argmax [N]. Differentiable w.r.t. `hidden` only."""
     if weight.requires_grad:
         raise ValueError("head_losses: the LM head is the target's and stays frozen (weight.requires_grad must be False)")
-    chunk = chunk_rows or max(1, (1 << 28) // weight.shape[0])  # ~256M logits per chunk
+    chunk = chunk_rows or max(1, HEAD_CHUNK_LOGITS // weight.shape[0])
     return _ChunkedHead.apply(hidden, weight, labels, target_hidden, float(temperature), chunk)
 
 
