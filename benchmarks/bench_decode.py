@@ -10,7 +10,8 @@ The floor is reading target + drafter weights once over the measured copy bandwi
 (one `Engine`, different runners of the target's layers): `hf` (the target's own Transformers
 forward, eager launches), `static` (own layers, eager), `graphs` (static + CUDA graphs),
 `compiled` (graphs + torch.compile of the per-layer functions), `fused` (compiled, with q/k/v and
-gate/up weights concatenated: what `make_engine`'s 'auto' gives on CUDA). Stage times
+gate/up weights concatenated: what `make_engine`'s 'auto' gives on CUDA), `fused-cd` (fused, and
+the drafter's whole step compiled too). Stage times
 synchronise the GPU at each stage boundary; "round" is the same loop without those extra
 synchronisations.
 
@@ -116,6 +117,8 @@ def engines(device: torch.device, compile_ok: bool) -> dict:
         if compile_ok:
             out["compiled"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=False)
             out["fused"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True)
+            out["fused-cd"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True,
+                                                         compile_drafter=True)
     out["hf"] = Engine
     out["static"] = lambda t, d: static_engine(t, d, cuda_graphs=False, fuse=False)
     return out
@@ -164,13 +167,16 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
             generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")  # capture graphs / compile
             sync(device)
             gens = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")
+            prof = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash", profile=True)[0]
             loop.walk = walk
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
-                 "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds}
+                 "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds,
+                 "stages_ms": {k: 1e3 * v / prof.rounds for k, v in prof.stage_seconds.items()}}
             out[f"b{b}-{kind}"] = r
             print(f"batch {b:3d} dflash {kind:10s} round {r['round_ms']:7.2f} ms  tau {r['tau']:5.2f}  "
-                  f"{r['tokens_per_s']:9.1f} tokens/s", flush=True)
+                  f"{r['tokens_per_s']:9.1f} tokens/s  | " + " ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items()),
+                  flush=True)
             del eng
     return out
 
@@ -182,7 +188,7 @@ def long_context(target: Target, drafter: DFlashDrafter, lengths: list[int], new
     for T in lengths:
         ids = torch.randint(0, target.vocab_size - 2, (1, T), device=device)
         eng = make(target, drafter)
-        generate(eng, ids[:, :64], max_new_tokens=8, method="dflash")  # warm-up outside the measured prefill
+        generate(eng, ids, max_new_tokens=new_tokens, method="dflash")  # warm-up: graphs for these spans, compilation
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -252,9 +252,10 @@ class StaticRunner:
 
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
-                  compile: bool = False, fuse: bool | None = None) -> Engine:
+                  compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
-    target's step and the drafter's step."""
+    target's step and the drafter's step. compile_drafter: torch.compile the drafter's whole step
+    (its layers, masks and cache writes) before capture."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
@@ -262,6 +263,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     runner = StaticRunner(target, layer_ids, cuda_graphs=graphs, compile=compile, fuse=fuse)
     engine = Engine(target, drafter, runner)
     engine.slot_bucket = SLOT_BUCKET
+    step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
     if graphs and drafter is not None:
-        engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
+        engine.draft_step = Graphs(step, lambda: engine.dcache.k.data_ptr())
     return engine
