@@ -70,7 +70,10 @@ class Target:
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         head = self.model.get_output_embeddings()
-        logits = head(hidden.to(head.weight.dtype))
+        # One 2-D GEMM: a strided [b, t, H] view (e.g. a block's slots 1..) would otherwise go
+        # through a batched matmul with the [V, H] weight broadcast per row (measured 10x slower).
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+        logits = head(flat).view(*hidden.shape[:-1], -1)
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma-style models
         return logits if not cap else torch.tanh(logits / cap) * cap
 
