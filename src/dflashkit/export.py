@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.checkpoint import (CONFIG, WEIGHTS, CheckpointError, _atomic_save, atomic_write_bytes,
+from dflashkit.checkpoint import (CONFIG, WEIGHTS, CheckpointError, atomic_save, atomic_write_bytes,
                                   atomic_write_json, load_drafter, save_drafter)
 from dflashkit.drafter import SLIDING, DFlashDrafter, DrafterConfig
 
@@ -128,7 +128,7 @@ def export_speculators(drafter: DFlashDrafter, out: str | Path, *, verifier: str
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     cfg["transformer_layer_config"]["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    _atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), out / WEIGHTS)
+    atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), out / WEIGHTS)
     atomic_write_json(out / CONFIG, cfg)
     return out
 
