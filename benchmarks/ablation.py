@@ -1,4 +1,4 @@
-"""Ablation at one budget: the SPEC recipe against the known-bad variants of SPEC §3 (CPU, small scale).
+"""Ablation at one budget: the recipe against the known-bad variants of docs/conventions.md (CPU, small scale).
 
     OMP_NUM_THREADS=1 python benchmarks/ablation.py --json runs/ablation/result.json
 
@@ -8,15 +8,15 @@ One drafter, one data set, one seed, the same number of optimiser steps for ever
 * kl               loss=kl (kl_weight 1, T 1): the reference for the loss=kl rows below, which
                    need a target-logit path;
 * fc-label         loss=kl with the layer the KL targets come from (L - 1, the target's final
-                   hidden state) added as a sixth `fc` tap (SPEC §3 mistake 2);
-* anchor-visible   loss=kl, and the context mask also shows the anchor's own position (SPEC §3
+                   hidden state) added as a sixth `fc` tap (docs/conventions.md, mistake 2);
+* anchor-visible   loss=kl, and the context mask also shows the anchor's own position (docs/conventions.md
                    mistake 6), default taps;
 * fc-label+anchor  both: the combination in which the label layer is a direct shortcut (the
                    final hidden state at the anchor is the target's prediction for slot 1);
 * noise-fc         loss=kl, feature noise on the fc inputs only (what the product does);
 * noise-label      loss=kl, the same noise, and also on the final hidden state the KL targets are
-                   computed from (SPEC §3 mistake 3: noise applied before the label split);
-* kl70-T2-g10      70 % soft KL at T=2 + 30 % hard CE, gamma 10 (SPEC §3 mistake 4, without the
+                   computed from (docs/conventions.md, mistake 3: noise applied before the label split);
+* kl70-T2-g10      70 % soft KL at T=2 + 30 % hard CE, gamma 10 (docs/conventions.md, mistake 4, without the
                    "streak weights", which the product has no option for).
 
 The product refuses fc-label (`check_label_sources`) and cannot put noise on the KL targets
@@ -61,7 +61,7 @@ log = logging.getLogger("ablation")
 
 # name -> (what differs from the recipe, config overrides, patches)
 VARIANTS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
-    "recipe": ("SPEC recipe: hard CE, gamma 7, no noise", [], ()),
+    "recipe": ("recipe: hard CE, gamma 7, no noise", [], ()),
     "kl": ("loss=kl (100 % KL, T=1), taps end at L-3", ["train.loss=kl"], ()),
     "fc-label": ("loss=kl + layer L-1 (the KL-target layer) fed to fc", ["train.loss=kl"], ("label_tap",)),
     "anchor-visible": ("loss=kl + context mask shows the anchor's own position", ["train.loss=kl"],
@@ -84,9 +84,9 @@ def reintroduced(patches: tuple[str, ...], noise_std: float, seed: int):
     """Put the named bugs back into the trainer for the duration of the block (this script only)."""
     saved = (train_mod.check_label_sources, train_mod.micro_batch, masks.visible)
     try:
-        if "label_tap" in patches:  # the guard against SPEC §3 mistake 2
+        if "label_tap" in patches:  # the guard against mistake 2 of docs/conventions.md
             train_mod.check_label_sources = lambda *a, **k: None
-        if "noise_label" in patches:  # SPEC §3 mistake 3: the KL targets see the fc inputs' noise too
+        if "noise_label" in patches:  # mistake 3 of docs/conventions.md: the KL targets see the fc inputs' noise too
             g = torch.Generator().manual_seed(seed)
             clean_micro_batch = saved[1]
 
@@ -98,7 +98,7 @@ def reintroduced(patches: tuple[str, ...], noise_std: float, seed: int):
                                          final_hidden)
 
             train_mod.micro_batch = noisy_micro_batch
-        if "anchor_visible" in patches:  # SPEC §3 mistake 6: context position == anchor is visible
+        if "anchor_visible" in patches:  # mistake 6 of docs/conventions.md: context position == anchor is visible
             clean_visible = saved[2]
 
             def leaky_visible(q_anchor, q_block, k_pos, k_block, window):
@@ -247,7 +247,7 @@ def main() -> None:
     p.add_argument("--train", type=int, default=160, help="training samples")
     p.add_argument("--held-out", type=int, default=32, help="held-out samples (at most a fifth of train + held-out)")
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--taps", type=int, default=5, help="fc taps (SPEC default layers; fc-label adds layer L-1)")
+    p.add_argument("--taps", type=int, default=5, help="fc taps (the default layers; fc-label adds layer L-1)")
     p.add_argument("--layers", type=int, default=1, help="drafter layers")
     p.add_argument("--steps", type=int, default=36, help="optimiser steps, the same for every variant")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")

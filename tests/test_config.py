@@ -1,4 +1,4 @@
-"""Typed configuration: SPEC defaults, YAML + overrides, one readable line per bad field."""
+"""Typed configuration: recipe defaults, YAML + overrides, one readable line per bad field."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dflashkit.data.features import FeatureCache, extract_features, online_featu
 from dflashkit.target import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LAYERS = [1, 8, 15, 22, 27]  # SmolLM2 (30 layers), SPEC default for 5 taps
+LAYERS = [1, 8, 15, 22, 27]  # SmolLM2 (30 layers), default taps for 5
 
 
 def random_samples(n: int, seed: int = 0, lo: int = 8, hi: int = 48) -> list[TokenizedSample]:

@@ -1,5 +1,5 @@
-"""The training objective: anchors, masks, labels, the loss and noise (SPEC §2), and regression tests
-for SPEC §3 mistakes 2 (fc fed the label layer), 3 (noise before the label split), 4 (a loss other
+"""The training objective: anchors, masks, labels, the loss and noise (docs/conventions.md), and regression tests
+for the conventions' mistakes 2 (fc fed the label layer), 3 (noise before the label split), 4 (a loss other
 than the recipe) and 6 (context that leaks the anchor's own or later positions)."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_context_features_at_or_after_anchor_never_reach_the_block(tiny_target):
 
 
 def _recipe_by_hand(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> float:
-    """SPEC: hard CE, weight exp(-(k-1)/gamma) on slot k >= 1, normalised by the sum of weights."""
+    """The recipe: hard CE, weight exp(-(k-1)/gamma) on slot k >= 1, normalised by the sum of weights."""
     total = norm = 0.0
     for j in range(logits.shape[0]):
         for k in range(1, logits.shape[1]):
@@ -144,7 +144,7 @@ def test_default_loss_equals_hand_computed_recipe(tiny_target):
     logits = tiny_target.lm_head(h).view(-1, B, tiny_target.vocab_size)
     want = _recipe_by_hand(logits, mb.labels.view(-1, B), gamma=settings.gamma)
     assert float(out.loss_sum / out.weight_sum) == pytest.approx(want, rel=1e-5)
-    # The known-bad recipe of SPEC §3.4 (70 % soft KL at T=2, gamma=10) is a different number.
+    # The known-bad recipe of docs/conventions.md (mistake 4) (70 % soft KL at T=2, gamma=10) is a different number.
     bad = block_loss(drafter, tiny_target.embed, W, mb, LossSettings(loss="kl", gamma=10.0, kl_weight=0.7, kl_temperature=2.0))
     assert abs(float(bad.loss_sum / bad.weight_sum) - want) > 1e-2
 

@@ -1,4 +1,4 @@
-"""The reference checkpoint format (SPEC §2): a directory with `config.json` + `model.safetensors`.
+"""The reference checkpoint format (docs/conventions.md): a directory with `config.json` + `model.safetensors`.
 
 This is what vLLM, SGLang and the reference Transformers code load, and what published drafters
 ship; our training state (optimiser, scheduler, RNG, data position) lives beside it in

@@ -1,4 +1,4 @@
-"""`dflashkit <stage>`: one command per pipeline stage (SPEC §1).
+"""`dflashkit <stage>`: one command per pipeline stage (docs/architecture.md).
 
 Each stage lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 modules are imported only when their command runs, so `dflashkit --help` stays fast.

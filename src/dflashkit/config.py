@@ -1,6 +1,6 @@
 """One typed configuration for every stage, validated once at the edge.
 
-Defaults are the recipe of SPEC.md. Load from YAML, override from the command line with
+Defaults are the published recipe (docs/recipe.md, docs/conventions.md). Load from YAML, override from the command line with
 `section.field=value` (the value is parsed as YAML: `train.lr=3e-4`, `drafter.layer_types=[...]`).
 A wrong field gives one line naming it and what was expected.
 """
@@ -43,9 +43,9 @@ class TargetConfig(_Section):
 class DrafterSettings(_Section):
     num_layers: Int = Field(5, ge=1)
     num_taps: Int = Field(5, ge=1)
-    target_layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="None = SPEC default formula")
+    target_layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="None = the default formula (docs/conventions.md, "Layer taps")")
     block_size: Int = Field(16, ge=2)
-    mask_token_id: Int | None = Field(None, ge=0, description="None = SPEC rule (spare row / mask / unused special)")
+    mask_token_id: Int | None = Field(None, ge=0, description="None = the default rule (spare row / mask / unused special)")
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: Int | None = Field(None, ge=1)
     init_from: str | None = Field(None, description="start from this reference-format drafter directory")

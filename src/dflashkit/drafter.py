@@ -25,7 +25,7 @@ LAYER_TYPES = (FULL, SLIDING)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """SPEC §2: n == 1 -> [L // 2]; else evenly from layer 1 to layer L - 3: round(1 + i (L-4)/(n-1)).
+    """docs/conventions.md: n == 1 -> [L // 2]; else evenly from layer 1 to layer L - 3: round(1 + i (L-4)/(n-1)).
 
     On shallow targets that formula repeats layers (L=4, n=2: [1, 1]); then the taps are spread
     evenly over layers 1..L-2 (0..L-2 when that is too few), distinct and never the last layer."""
@@ -44,7 +44,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 
 
 def default_gamma(block_size: int) -> float:
-    """Slot-decay constant of the loss: 7 for B=16, 5 for B=10, 4 for B=8 (SPEC §2)."""
+    """Slot-decay constant of the loss: 7 for B=16, 5 for B=10, 4 for B=8 (docs/conventions.md)."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
 
 
@@ -328,7 +328,7 @@ def drafter_config_for_target(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
 ) -> DrafterConfig:
-    """A drafter shaped like the target's layers (hidden size, heads, RoPE), SPEC §2 defaults."""
+    """A drafter shaped like the target's layers (hidden size, heads, RoPE), defaults of docs/conventions.md."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     L = tc.num_hidden_layers
     heads = tc.num_attention_heads

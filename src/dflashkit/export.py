@@ -1,6 +1,6 @@
 """`dflashkit export`: write a drafter in the formats serving engines load.
 
-* ``reference``: the reference checkpoint format (SPEC §2) that SGLang, vLLM (``method: dflash``)
+* ``reference``: the reference checkpoint format (docs/conventions.md) that SGLang, vLLM (``method: dflash``)
   and the reference Transformers code load: ``config.json`` + ``model.safetensors``, plus
   ``dflash.py`` (the model for ``trust_remote_code`` loaders) and ``auto_map`` pointing at it.
 * ``speculators``: vLLM speculators' format (``speculators_model_type: "dflash"``): a nested Qwen3

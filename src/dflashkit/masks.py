@@ -1,4 +1,4 @@
-"""Who may attend to whom in the drafter (SPEC §2, "Training attention").
+"""Who may attend to whom in the drafter (docs/conventions.md, "Training attention").
 
 A query is a block slot; it belongs to the block of anchor `a`. It sees
 

@@ -1,4 +1,4 @@
-"""The DFlash training objective (SPEC §2): anchors, block labels, the loss and feature noise.
+"""The DFlash training objective (docs/conventions.md): anchors, block labels, the loss and feature noise.
 
 * Anchors: positions `p` with `loss_mask[p]` and `loss_mask[p + 1]`, at most `anchors_per_seq`
   per sequence, drawn uniformly without replacement (then sorted, so that neighbouring blocks
@@ -100,7 +100,7 @@ def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
 
 def add_feature_noise(features: Tensor, std: float, generator: torch.Generator | None = None) -> Tensor:
     """Gaussian noise on the `fc` input. Call it on the tap features only, after any label or
-    target-logit tensor has been split off (SPEC §3, mistake 3)."""
+    target-logit tensor has been split off (docs/conventions.md, mistake 3)."""
     if std <= 0:
         return features
     dev = generator.device if generator is not None else features.device
@@ -109,14 +109,14 @@ def add_feature_noise(features: Tensor, std: float, generator: torch.Generator |
 
 
 def check_label_sources(tap_ids: list[int], num_target_layers: int, loss: str) -> None:
-    """`fc` must never see the layer the labels come from (SPEC §3, mistake 2). Hard labels are
+    """`fc` must never see the layer the labels come from (docs/conventions.md, mistake 2). Hard labels are
     token ids; KL targets are the LM head of the target's final hidden state, i.e. layer L - 1."""
     last = num_target_layers - 1
     if loss == "kl" and last in tap_ids:
         raise ValueError(
             f"train.loss='kl' takes its target logits from the target's final hidden state (layer {last}), "
             f"but drafter.target_layer_ids {tap_ids} feeds that layer to fc: the drafter would copy its answer "
-            f"from its input. Drop layer {last} from the taps (SPEC default taps end at L - 3).")
+            f"from its input. Drop layer {last} from the taps (the default taps end at L - 3).")
 
 
 # ---- the LM head in chunks ----------------------------------------------------------------

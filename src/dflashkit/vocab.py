@@ -1,4 +1,4 @@
-"""Token facts the drafter depends on: stop tokens and the mask token (SPEC §2, "Block")."""
+"""Token facts the drafter depends on: stop tokens and the mask token (docs/conventions.md, "Block")."""
 
 from __future__ import annotations
 

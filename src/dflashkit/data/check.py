@@ -1,4 +1,4 @@
-"""`dflashkit check-features`: compare two feature sources layer by layer (SPEC §3, mistake 7).
+"""`dflashkit check-features`: compare two feature sources layer by layer (docs/conventions.md, mistake 7).
 
 A source is a feature cache directory (`dflashkit extract` output) or the target itself
 (`target`, or `target:device=cuda,dtype=bfloat16,path=...`): two back-ends, devices, dtypes, a
