@@ -43,7 +43,7 @@ class TargetConfig(_Section):
 class DrafterSettings(_Section):
     num_layers: Int = Field(5, ge=1)
     num_taps: Int = Field(5, ge=1)
-    target_layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="None = the default formula (docs/conventions.md, "Layer taps")")
+    target_layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="None = the default formula (docs/conventions.md, Layer taps)")
     block_size: Int = Field(16, ge=2)
     mask_token_id: Int | None = Field(None, ge=0, description="None = the default rule (spare row / mask / unused special)")
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
