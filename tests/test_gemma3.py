@@ -135,21 +135,30 @@ def test_sliding_window_is_the_last_512_positions(gemma3):
 
 
 @pytest.mark.slow
-def test_dflash_greedy_identical_across_the_window(gemma3):
-    """An (untrained) drafter's DFlash rounds on a prompt that the window boundary cuts through
-    give exactly the target's own greedy tokens: the engine's masks and cache handling hold for
-    sliding layers."""
+def test_every_engine_and_method_greedy_identical(gemma3):
+    """Both engines (the Transformers runner and the static runner's own Gemma layers), every
+    method, batch 1 and a ragged batch of 4 whose longest prompt the sliding window cuts through:
+    exactly the target's own greedy tokens (an untrained drafter: the rounds still verify, roll
+    back and re-draft across the window boundary)."""
     from dflashkit.decode.engine import Engine
-    from dflashkit.decode.loop import generate
+    from dflashkit.decode.loop import generate, generate_batch
+    from dflashkit.decode.static import static_engine
     from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
     from dflashkit.vocab import default_mask_token_id
     from test_decode import greedy_reference
 
-    n_new, w = 8, gemma3.config.sliding_window
+    n_new, w = 6, gemma3.config.sliding_window
     torch.manual_seed(0)
-    ids = torch.cat([torch.tensor([[gemma3.tokenizer.bos_token_id]]), torch.randint(1000, 200_000, (1, w - 5))], dim=1)
+    bos = torch.tensor([[gemma3.tokenizer.bos_token_id]])
+    prompts = [torch.cat([bos, torch.randint(1000, 200_000, (1, n))], dim=1) for n in (w - 3, 11, 30, 6)]
+    assert prompts[0].shape[1] < w < prompts[0].shape[1] + n_new
+    refs = [greedy_reference(gemma3, p, n_new) for p in prompts]
     mask = default_mask_token_id(gemma3.tokenizer, gemma3.vocab_size, gemma3.model.generation_config)
     drafter = DFlashDrafter(drafter_config_for_target(gemma3.config, mask, num_layers=1)).float()
-    g = generate(Engine(gemma3, drafter), ids, max_new_tokens=n_new, method="dflash")
-    assert ids.shape[1] < w < ids.shape[1] + n_new
-    assert g.tokens == greedy_reference(gemma3, ids, n_new)
+    for name, make in [("hf", Engine), ("static", static_engine)]:
+        for method, budget in [("ar", None), ("dflash", None), ("ddtree", 8)]:
+            d = drafter if method != "ar" else None
+            alone = generate(make(gemma3, d), prompts[1], max_new_tokens=n_new, method=method, budget=budget)
+            batch = generate_batch(make(gemma3, d), prompts, max_new_tokens=n_new, method=method, budget=budget)
+            assert alone.tokens == refs[1], (name, method)
+            assert [g.tokens for g in batch] == refs, (name, method)

@@ -12,7 +12,9 @@ The mask is `tree.visibility`, the drafter is the `drafter.py` module (its step 
 only the target's layers are run differently from `engine.HFRunner`, and tests check both equal
 the target's own generation. Optional torch.compile fuses each layer's elementwise work, and
 q/k/v and gate/up weights can be fused row-wise. Supported targets: Llama / Qwen2 / Qwen3-style
-decoders with full attention.
+decoders (full attention, or sliding windows named per layer) and Gemma 3 (its norms of
+(1 + w), the norms after attention and MLP, GELU, one RoPE per layer type, query scaling by
+`query_pre_attn_scalar`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, apply_rope
 from dflashkit.target import Target
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+GEMMA = ("gemma3_text",)
 SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
 GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
 
@@ -39,11 +42,16 @@ def supported(target: Target) -> str | None:
     cfg = target.config
     if cfg.model_type not in MODEL_TYPES:
         return f"model type {cfg.model_type!r} is not one of {MODEL_TYPES}"
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or getattr(cfg, "use_sliding_window", False):
-        return "sliding-window layers are not supported by the static engine"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    kinds = set(target.layer_kinds)
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(kinds)} (only full and sliding attention)"
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        return f"activation {act!r} (only {sorted(ACTIVATIONS)})"
     return None
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class LayerWeights(NamedTuple):
@@ -70,6 +78,9 @@ class LayerWeights(NamedTuple):
     db: Tensor | None
     qkv: Tensor | None = None  # fused [q; k; v] rows (StaticEngine(fuse=True)): one GEMM instead of three
     gate_up: Tensor | None = None  # fused [gate; up] rows: one GEMM instead of two
+    post_attn: Tensor | None = None  # Gemma: a norm on the attention output, one on the MLP output
+    post_mlp: Tensor | None = None
+    gemma: bool = False  # norms of (1 + w) computed in fp32; GELU (tanh) in the MLP
 
 
 def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
@@ -77,15 +88,19 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     fuse: also q/k/v and gate/up as one row-concatenated weight each (see `_fuse_rows`)."""
     a, m = layer.self_attn, layer.mlp
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    mods = [layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, qn, kn, a.o_proj, layer.post_attention_layernorm,
+    gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's post_attention_layernorm is not the pre-MLP norm
+    ln2 = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+    mods = [layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, qn, kn, a.o_proj, ln2,
             m.gate_proj, m.up_proj, m.down_proj]
     b = [None if mod is None or getattr(mod, "bias", None) is None else mod.bias.detach() for mod in mods]
     fuse = fuse and all(x is None for x in b[1:4] + b[8:10])  # biased projections stay separate
     qkv_w = _fuse_rows([a.q_proj, a.k_proj, a.v_proj]) if fuse else None
     gate_up = _fuse_rows([m.gate_proj, m.up_proj]) if fuse else None
     w = [None if mod is None else mod.weight.detach() for mod in mods]
+    extra = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
+                 post_mlp=layer.post_feedforward_layernorm.weight.detach(), gemma=True) if gemma else {}
     return LayerWeights(w[0], w[1], b[1], w[2], b[2], w[3], b[3], w[4], w[5], w[6], b[6], w[7], w[8], b[8], w[9], b[9],
-                        w[10], b[10], qkv=qkv_w, gate_up=gate_up)
+                        w[10], b[10], qkv=qkv_w, gate_up=gate_up, **extra)
 
 
 @torch.no_grad()
@@ -109,10 +124,12 @@ def _fuse_rows(mods: list[nn.Module]) -> Tensor:
     return buf
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    # The exact op order of Transformers' Llama/Qwen3 RMSNorm and of the drafter's.
+def rms_norm(x: Tensor, w: Tensor, eps: float, gemma: bool = False) -> Tensor:
+    # The exact op order of Transformers' Llama/Qwen3 RMSNorm (and the drafter's), or Gemma's.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (x32 * (1.0 + w.float())).to(x.dtype)
     return w * x32.to(x.dtype)
 
 
@@ -120,7 +137,7 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
         head_dim: int, norm_input: bool = True, with_q: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
     """x [b, t, H] -> q [b, heads, t, d] (or None), k, v [b, kv_heads, t, d], RoPE applied."""
     b, t, _ = x.shape
-    h = rms_norm(x, w.ln1, eps) if norm_input else x
+    h = rms_norm(x, w.ln1, eps, w.gemma) if norm_input else x
     if w.qkv is not None:
         y = F.linear(h, w.qkv[heads * head_dim:] if not with_q else w.qkv)
         parts = list(y.split([heads * head_dim] * with_q + [kv_heads * head_dim] * 2, dim=-1))
@@ -132,21 +149,24 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
 
     def heads_first(y: Tensor, n: int, norm: Tensor | None) -> Tensor:
         y = y.view(b, t, n, head_dim)
-        return (y if norm is None else rms_norm(y, norm, eps)).transpose(1, 2)
+        return (y if norm is None else rms_norm(y, norm, eps, w.gemma)).transpose(1, 2)
 
     q = apply_rope(heads_first(yq, heads, w.qn), cos, sin) if with_q else None
     return q, apply_rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None)
 
 
 def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
-    """Attention output projection + residual, then the SwiGLU MLP + residual."""
-    x = x + F.linear(o, w.o, w.ob)
-    h = rms_norm(x, w.ln2, eps)
+    """Attention output projection + residual, then the gated MLP + residual (Gemma: each branch
+    normalised before it joins the residual)."""
+    a = F.linear(o, w.o, w.ob)
+    x = x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.gemma))
+    h = rms_norm(x, w.ln2, eps, w.gemma)
     if w.gate_up is not None:
         gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
     else:
         gate, up = F.linear(h, w.gate, w.gb), F.linear(h, w.up, w.ub)
-    return x + F.linear(F.silu(gate) * up, w.down, w.db)
+    m = F.linear(ACTIVATIONS["gelu_pytorch_tanh" if w.gemma else "silu"](gate) * up, w.down, w.db)
+    return x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.gemma))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
@@ -215,6 +235,9 @@ class StaticRunner:
         self.heads, self.kv_heads = tc.num_attention_heads, tc.num_key_value_heads
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // self.heads
         self.scale = target.layers[0].self_attn.scaling
+        self.kinds = target.layer_kinds
+        self.window = getattr(tc, "sliding_window", None)
+        self.gemma = tc.model_type in GEMMA
         fuse = target.device.type == "cuda" if fuse is None else fuse  # measured faster on an H200
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
@@ -235,18 +258,21 @@ class StaticRunner:
 
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
-        mask = visibility(lengths, depths, ancestors, n).repeat(1, self.heads // self.kv_heads, 1)[:, None]
+        g = self.heads // self.kv_heads
+        masks = {kind: visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention" else None)
+                 .repeat(1, g, 1)[:, None] for kind in set(self.kinds)}
         slots = lengths[:, None] + torch.arange(q, device=dev)
         x = self.target.embed(tokens)
-        cos, sin = self.rotary(x, lengths[:, None] + depths)
-        cos, sin = cos[:, None], sin[:, None]
+        pos = lengths[:, None] + depths
+        rope = {kind: self.rotary(x, pos, kind) if self.gemma else self.rotary(x, pos) for kind in set(self.kinds)}
         taps: dict[int, Tensor] = {}
-        for i, w in enumerate(self.tw):
-            qh, k, v = self._qkv(x, w, self.eps, cos, sin, self.heads, self.kv_heads, self.head_dim)
+        for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
+            cos, sin = rope[kind]
+            qh, k, v = self._qkv(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads, self.head_dim)
             cache.write(i, k, v, slots)
-            x = self._out_mlp(x, attend(qh, *cache.view(i, n), mask, self.scale), w, self.eps)
+            x = self._out_mlp(x, attend(qh, *cache.view(i, n), masks[kind], self.scale), w, self.eps)
             taps[i] = x
-        h = rms_norm(x, self.norm_w, self.eps)
+        h = rms_norm(x, self.norm_w, self.eps, self.gemma)
         taps[len(self.tw) - 1] = h  # as in Target.forward: the last layer is reported after the final norm
         return h, torch.cat([taps[i] for i in self.layer_ids], dim=-1)
 
