@@ -270,6 +270,29 @@ def test_stop_token_limits_and_streaming(tiny_target):
         assert 1 + sum(g.accept_lengths) == len(g.tokens)  # the last round counts only what it kept
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_finished_rows_can_stay_idle(tiny_target, engine):
+    """With fixed rows (the CUDA-graph setting: no new batch shapes), rows that finished or were
+    cancelled stay in the batch committing nothing; every other row is unchanged."""
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = ragged_prompts(5, (16, 7, 20))
+    limits = [30, 3, 12]
+    for method, budget in [("dflash", None), ("ddtree", 10)]:
+        eng = ENGINES[engine](tiny_target, drafter)
+        eng.fixed_rows = True
+        asked = []
+
+        def cancelled(i: int) -> bool:  # row 2's client leaves after its second round
+            asked.append(i)
+            return i == 2 and asked.count(2) > 2
+
+        gens = generate_batch(eng, prompts, max_new_tokens=limits, method=method, budget=budget, cancelled=cancelled)
+        assert eng.batch == 3  # nobody left the batch
+        for i in (0, 1):
+            assert gens[i].tokens == greedy_reference(tiny_target, prompts[i], limits[i]), (method, i)
+        assert not gens[2].finish_reason and 0 < len(gens[2].tokens) < limits[2]
+
+
 def test_request_errors(tiny_target):
     drafter = make_tiny_drafter(tiny_target)
     ids = torch.randint(3, 120, (1, 8))

@@ -88,7 +88,7 @@ class KVCache:
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
         """Row i keeps its verified nodes `keep[i]` (indices into what was written at slots
-        lengths[i]..., root first, each path at least the root) and commits them."""
+        lengths[i]..., root first; empty: the row commits nothing) and commits them."""
         counts = [len(p) for p in keep]
         if any(list(p) != list(range(len(p))) for p in keep):  # a tree path: move the kept nodes together
             q = max(counts)

@@ -108,6 +108,9 @@ class Engine:
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
         self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
+        # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
+        # CUDA graphs, every new batch size would capture new graphs.
+        self.fixed_rows = False
         self.cache = KVCache(target.num_layers)
         self.dcache = drafter.new_cache() if drafter is not None else None
 
@@ -189,7 +192,8 @@ class Engine:
         return self.target.lm_head(hidden)
 
     def commit(self, paths: Sequence[Sequence[int]]) -> None:
-        """Row i keeps the verified nodes paths[i] (root first); their features are the drafter's next context."""
+        """Row i keeps the verified nodes paths[i] (root first; empty for an idle row); their
+        features are the drafter's next context."""
         self.cache.commit(paths)
         q = max(len(p) for p in paths)
         if all(list(p) == list(range(len(p))) for p in paths):

@@ -164,12 +164,13 @@ def decode_stream(
     rows = list(range(n))  # prompt index of each row of the running batch
     yield [(i, res[i].extend([t], limits[i], stop_ids), res[i]) for i, t in enumerate(first)]
     while True:
-        keep = [k for k, i in enumerate(rows) if not res[i].finish_reason and not cancelled(i)]
-        if not keep:
+        running = [not res[i].finish_reason and not cancelled(i) for i in rows]
+        if not any(running):
             break
-        if len(keep) < len(rows):
+        if not all(running) and not engine.fixed_rows:  # finished rows leave the batch
+            keep = [k for k, r in enumerate(running) if r]
             engine.keep_rows(keep)
-            bonus, rows = bonus[torch.tensor(keep, device=dev)], [rows[k] for k in keep]
+            bonus, rows, running = bonus[torch.tensor(keep, device=dev)], [rows[k] for k in keep], [True] * len(keep)
         stages.start()
         dlogits = engine.draft(bonus) if method != "ar" else None  # [b, B-1, V]
         stages.mark("draft")
@@ -184,11 +185,13 @@ def decode_stream(
         else:
             host = picked.tolist()
         walks = [walk(t, h) for t, h in zip(trees, host)]  # (accepted path, the target's token after it)
-        engine.commit([path for path, _ in walks])
+        engine.commit([path if run else [] for (path, _), run in zip(walks, running)])  # idle rows commit nothing
         bonus = torch.tensor([last for _, last in walks], device=dev)
         stages.mark("commit")
         step = []
-        for i, tree, (path, last) in zip(rows, trees, walks):
+        for i, tree, (path, last), run in zip(rows, trees, walks, running):
+            if not run:
+                continue
             new = res[i].extend([tree.tokens[j - 1] for j in path[1:]] + [last], limits[i], stop_ids)
             res[i].accept_lengths.append(len(new))
             res[i].decode_seconds = time.perf_counter() - t1

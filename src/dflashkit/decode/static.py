@@ -288,7 +288,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
     runner = StaticRunner(target, layer_ids, cuda_graphs=graphs, compile=compile, fuse=fuse)
     engine = Engine(target, drafter, runner)
-    engine.slot_bucket = SLOT_BUCKET
+    engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
     if graphs and drafter is not None:
         engine.draft_step = Graphs(step, lambda: engine.dcache.k.data_ptr())
