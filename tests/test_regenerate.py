@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from datahelpers import live_server, one_thread, run_cli, save_tiny_target, start_cli, wait_until  # noqa: F401
 from dflashkit.data.chat import load_tokenized, prompt_ids, tokenize_file
@@ -52,6 +53,11 @@ def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path):
     assert stats.written == 40 and stats.completion_tokens > 0
     want = records(ref)
     assert want["q1"]["messages"][:3] == convs[1].messages[:3] and want["q1"]["messages"][3]["content"] != "old"
+    target = load_target(tiny_dir)  # the answers are the target's own greedy continuations
+    for r in list(want.values())[:3]:
+        x = torch.tensor([prompt_ids(target.tokenizer, r["messages"][:-1])])
+        own = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False)[0, x.shape[1]:]
+        assert r["completion_ids"] == own[:len(r["completion_ids"])].tolist()
 
     out = tmp_path / "out.jsonl"
     args = ["regenerate", "--out", str(out), f"target.path={tiny_dir}", f"data.prompts={prompts_file}",

@@ -1,15 +1,16 @@
 """`dflashkit regenerate`: the target writes the answers the drafter will learn.
 
 Every conversation is cut after its last user turn and answered by the target, either locally
-(Transformers `generate`, batched) or by any OpenAI-compatible server (vLLM, SGLang,
+(dflashkit's batched decoding engine) or by any OpenAI-compatible server (vLLM, SGLang,
 `dflashkit serve`) with bounded concurrency, timeouts and retries.
 
 Output: append-only JSONL, one line per answered prompt:
 `{"id", "messages": context + [assistant answer], "source", "finish_reason", "prompt_tokens",
 "completion_tokens", "params"}`, plus `completion_ids` (the generated token ids, stop token
-included) from the local back-end, which `tokenize` uses instead of re-encoding the answer. A re-run skips the ids already there; a line cut by a kill is
-dropped and redone. Local batches are planned over the whole prompt list and re-run whole, so a
-greedy run that was interrupted writes exactly what an uninterrupted one writes.
+included) from the local back-end, which `tokenize` uses instead of re-encoding the answer. A
+re-run skips the ids already there; a line cut by a kill is dropped and redone. Every answer is
+decoded from its own prompt and its own random stream (seeded by the id), so an interrupted run
+writes exactly what an uninterrupted one writes, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -130,26 +131,23 @@ def _write(out: TextIO, conv: Conversation, context: list[dict], answer: str, fi
 
 
 def regenerate_local(target: Any, conversations: list[Conversation], out_path: str | Path, params: GenerationParams,
-                     *, batch_size: int = 8) -> RegenerateStats:
-    """Answer with the target's own `generate`, `batch_size` prompts at a time (left padded)."""
-    from transformers import GenerationConfig
-
+                     *, batch_size: int = 8, engine: str = "auto") -> RegenerateStats:
+    """Answer with the target itself, `batch_size` prompts at a time, on dflashkit's decoding
+    engine (autoregressive rounds; on a GPU the static engine with CUDA graphs). Each answer
+    samples from its own random stream, seeded by `params.seed` and the conversation id, so an
+    answer does not depend on which prompts share its batch or where an earlier run stopped."""
+    from dflashkit.decode.generation import Sampling
+    from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
 
     tok = target.tokenizer
-    stops = sorted(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    # Every field that shapes the distribution is explicit: `generate` fills unset (None) fields from
-    # the model's own generation_config (Qwen3: sampling, top_k=20; Qwen2.5: repetition_penalty=1.05),
-    # and the drafter must learn the target's plain distribution.
-    sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, min_p=0.0,
-                    typical_p=1.0) if params.temperature > 0 else dict(do_sample=False)
-    gen = GenerationConfig(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=stops,
-                           repetition_penalty=1.0, no_repeat_ngram_size=0, **sampling)
+    stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+    decoder = make_engine(target, None, engine)
     contexts = [context_messages(c) for c in conversations]
     ids = [prompt_ids(tok, m, thinking=params.thinking) for m in contexts]
-    # The plan covers every prompt, done or not, so that batches (and thus greedy numerics) do not
-    # depend on where an earlier run stopped. Longest first: padding is small and OOM shows at once.
+    # The plan covers every prompt, done or not, and a batch re-runs whole, so that batches (and
+    # thus the numerics of batched kernels) do not depend on where an earlier run stopped.
+    # Longest first: little padding, and an out-of-memory shows at once.
     order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
     plan = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     stats = RegenerateStats(prompts=len(conversations))
@@ -157,26 +155,22 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
         stats.already_done = sum(c.id in done for c in conversations)
         bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
         t0 = time.perf_counter()
-        for b, batch in enumerate(plan):
-            todo = [i for i in batch if conversations[i].id not in done]
-            if not todo:
+        for batch in plan:
+            if all(conversations[i].id in done for i in batch):
                 continue
-            width = max(len(ids[i]) for i in batch)
-            x = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in batch], device=target.device)  # [b, w]
-            # From lengths, not `x != pad`: SmolLM2 pads with its EOS, which every chat prompt contains.
-            real = torch.tensor([[k >= width - len(ids[i]) for k in range(width)] for i in batch], device=x.device)
-            torch.manual_seed(params.seed + b)  # sampling reproducible per planned batch
-            y = target.model.generate(input_ids=x, attention_mask=real.long(), generation_config=gen)[:, width:].tolist()
-            for i, row in zip(batch, y):
-                if i not in todo:
+            sampling = [Sampling(params.temperature, params.top_p, seed=zlib.crc32(f"{params.seed}:{conversations[i].id}".encode()))
+                        for i in batch]
+            gens = generate_batch(decoder, [torch.tensor(ids[i]) for i in batch], method="ar",
+                                  max_new_tokens=params.max_new_tokens, sampling=sampling, stop_ids=stops)
+            for i, g in zip(batch, gens):
+                if conversations[i].id in done:
                     continue
-                cut = next((k for k, t in enumerate(row) if t in stops), None)
-                answer = tok.decode(row[:cut], skip_special_tokens=True)
-                n = len(row) if cut is None else cut + 1
-                _write(out, conversations[i], contexts[i], answer, "length" if cut is None else "stop", len(ids[i]), n,
-                       params, row[:n])
+                row = g.tokens  # the stop token, if any, is the last one
+                stopped = g.finish_reason == "stop"
+                answer = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+                _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), params, row)
                 stats.written += 1
-                stats.completion_tokens += n
+                stats.completion_tokens += len(row)
                 bar.update(1)
         stats.seconds = time.perf_counter() - t0
         bar.close()
