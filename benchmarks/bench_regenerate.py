@@ -1,0 +1,96 @@
+"""`regenerate` throughput: the batched decoding engine against Transformers' `generate`, side by
+side in one run, on the SmolLM2 testbed (built-in training prompts, greedy).
+
+Both back-ends answer the same prompts in batches of `--batch`, longest first, with the target's
+stop tokens; tokens/s = generated tokens / wall time of the whole pass (prefill included), after
+an untimed pass over the first batches (graph capture, compilation). "identical" counts answers
+whose tokens are equal between the two back-ends (bf16 near-ties may part).
+
+    python benchmarks/bench_regenerate.py --device cuda --dtype bfloat16 --batch 256 --prompts 1024 --json out.json
+    python benchmarks/bench_regenerate.py --prompts 8 --batch 4 --max-new-tokens 16      # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit.data.chat import prompt_ids
+from dflashkit.data.prompts import load_prompts
+from dflashkit.data.regenerate import context_messages
+from dflashkit.decode.loop import generate_batch, make_engine
+from dflashkit.target import Target, load_target
+from dflashkit.vocab import stop_token_ids
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
+    engine = make_engine(target, None, "auto")
+    return [g.tokens for b in batches for g in generate_batch(engine, [torch.tensor(p) for p in b], method="ar",
+                                                              max_new_tokens=n, stop_ids=stops)]
+
+
+def transformers_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(stops)
+    out = []
+    for b in batches:
+        w = max(len(p) for p in b)
+        x = torch.tensor([[pad] * (w - len(p)) + p for p in b], device=target.device)
+        real = torch.tensor([[k >= w - len(p) for k in range(w)] for p in b], device=target.device).long()
+        y = target.model.generate(input_ids=x, attention_mask=real, max_new_tokens=n, do_sample=False,
+                                  pad_token_id=pad, eos_token_id=sorted(stops))[:, w:].tolist()
+        for row in y:
+            cut = next((k for k, t in enumerate(row) if t in stops), None)
+            out.append(row if cut is None else row[:cut + 1])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--backends", default="engine,transformers")
+    p.add_argument("--json")
+    args = p.parse_args()
+    target = load_target(None, dtype=args.dtype, device=args.device)
+    stops = set(stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
+    convs = load_prompts("builtin", limit=args.prompts)
+    ids = sorted((prompt_ids(target.tokenizer, context_messages(c)) for c in convs), key=lambda x: -len(x))
+    batches = [ids[i:i + args.batch] for i in range(0, len(ids), args.batch)]
+    rows, answers = [], {}
+    for name in args.backends.split(","):
+        run = {"engine": engine_pass, "transformers": transformers_pass}[name]
+        run(target, batches[:2], min(16, args.max_new_tokens), stops)  # warm-up, untimed
+        sync(target.device)
+        t = time.perf_counter()
+        answers[name] = run(target, batches, args.max_new_tokens, stops)
+        sync(target.device)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(a) for a in answers[name])
+        rows.append({"backend": name, "prompts": len(ids), "batch": args.batch, "tokens": tokens, "seconds": seconds,
+                     "tokens_per_s": tokens / seconds})
+        print(f"{name:12s} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} tokens/s", flush=True)
+    if len(answers) == 2:
+        a, b = answers.values()
+        rows[0]["identical"] = rows[1]["identical"] = sum(x == y for x, y in zip(a, b))
+        rows[0]["speedup"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+        print(f"speed-up {rows[0]['speedup']:.2f}x; identical answers {rows[0]['identical']}/{len(ids)}")
+    device = torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu"
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+                                               "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
