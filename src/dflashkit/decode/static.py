@@ -76,7 +76,7 @@ class LayerWeights(NamedTuple):
     ub: Tensor | None
     down: Tensor
     db: Tensor | None
-    qkv: Tensor | None = None  # fused [q; k; v] rows (StaticEngine(fuse=True)): one GEMM instead of three
+    qkv: Tensor | None = None  # fused [q; k; v] rows (static_engine(fuse=True)): one GEMM instead of three
     gate_up: Tensor | None = None  # fused [gate; up] rows: one GEMM instead of two
     post_attn: Tensor | None = None  # Gemma: a norm on the attention output, one on the MLP output
     post_mlp: Tensor | None = None
