@@ -346,8 +346,9 @@ def _lossy_target_tokens(logits, sampling, generator):
     return out
 
 
-@pytest.mark.parametrize("method,lossy", [("dflash", False), ("ddtree", False), ("dflash", True)])
-def test_sampling_follows_target_distribution(method, lossy, monkeypatch):
+@pytest.mark.parametrize("method,lossy,cost_aware", [("dflash", False, False), ("ddtree", False, False),
+                                                     ("dflash", True, False), ("ddtree", False, True)])
+def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeypatch):
     """600 3-token samples from speculative decoding (with proposals that are often accepted)
     against the exact distribution of the target's own sampling: chi-square on the joint of the
     2nd and 3rd tokens (decided by tree walks) and on each token's marginal. The lossy variant
@@ -368,7 +369,8 @@ def test_sampling_follows_target_distribution(method, lossy, monkeypatch):
     counts = torch.zeros(V ** steps)
     accepted = 0
     for s in range(n):
-        g = generate(eng, ids, max_new_tokens=steps, method=method, budget=6, top_k=2, sampling=Sampling(1.0, 1.0, seed=s))
+        g = generate(eng, ids, max_new_tokens=steps, method=method, budget=6, top_k=2, sampling=Sampling(1.0, 1.0, seed=s),
+                     cost_aware=cost_aware)
         counts[(g.tokens[0] * V + g.tokens[1]) * V + g.tokens[2]] += 1
         accepted += sum(t - 1 for t in g.accept_lengths)
     assert accepted > n // 3, "the test needs drafts to be accepted often"
@@ -542,3 +544,36 @@ def test_serve_speculative_with_openai_client(smollm2, tmp_path):
             client.chat.completions.create(model=model, messages=[{"role": "robot", "content": "x"}])
         sampled = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0.8, seed=3)
         assert sampled.choices[0].text and sampled.usage.model_dump()["rounds"] >= 1
+
+
+# ---- cost-aware drafting ---------------------------------------------------------------------------
+
+
+def test_cost_curve_picks_the_best_prefix():
+    from dflashkit.decode.cost import CostCurve, chain_expectation, tree_expectation
+
+    conf = torch.tensor([[0.9, 0.8, 0.1, 0.1]])  # one row: slots 1-2 likely accepted, 3-4 not
+    exp = chain_expectation(conf)
+    torch.testing.assert_close(exp, torch.tensor([1.0, 1.9, 2.62, 2.692, 2.6992]))
+    flat = CostCurve([1, 5], [1.0, 1.0])  # memory-bound: verifying more is free
+    steep = CostCurve([1, 5], [1.0, 5.0])  # compute-bound: each token costs a step
+    assert flat.best_width(exp) == 5 and steep.best_width(exp) == 1
+    assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
+    assert steep.verify(3) == 3.0 and steep.verify(7) == 7.0
+    # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
+    torch.testing.assert_close(tree_expectation([[0.0, -0.693147, -1e9]], 3), torch.tensor([1.0, 2.0, 2.5, 2.5]))
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_cost_aware_drafting_is_lossless(tiny_target, engine):
+    """Whatever prefix the cost model keeps, greedy outputs equal the target's own, for ragged
+    rows and both methods; the sizes it chose are recorded per round."""
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = ragged_prompts(6, (15, 9, 21))
+    refs = [greedy_reference(tiny_target, p, 24) for p in prompts]
+    for method, budget in [("dflash", None), ("ddtree", 12)]:
+        gens = generate_batch(ENGINES[engine](tiny_target, drafter), prompts, max_new_tokens=24, method=method,
+                              budget=budget, cost_aware=True)
+        assert [g.tokens for g in gens] == refs, method
+        top = drafter.config.block_size - 1 if method == "dflash" else budget
+        assert all(len(g.draft_sizes) == g.rounds and all(0 <= s <= top for s in g.draft_sizes) for g in gens)

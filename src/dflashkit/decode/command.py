@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")
+    p.add_argument("--cost-aware", action="store_true",
+                   help="measure what verification costs here and verify, each round, only the draft prefix that "
+                        "maximises expected tokens/s (lossless either way)")
     add_config_options(p)
 
 
@@ -58,11 +61,12 @@ def run(args: argparse.Namespace) -> int:
     ids = chat_ids(target.tokenizer, args.prompt, chat=not args.raw)
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
     res = generate(engine, ids, max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
-                   top_k=args.top_k, sampling=sampling, stop_ids=stops)
+                   top_k=args.top_k, sampling=sampling, stop_ids=stops, cost_aware=args.cost_aware)
     print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
     s = res.stats()
     tps = len(res.tokens) / max(res.prefill_seconds + res.decode_seconds, 1e-9)
     label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{args.top_k})"
     print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
-          f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}")
+          f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}"
+          + (f", mean draft tokens verified {s['mean_draft_size']}" if "mean_draft_size" in s else ""))
     return 0

@@ -63,6 +63,7 @@ class Generation:
     prefill_seconds: float  # time to the first token (device synchronised)
     decode_seconds: float  # rounds only (after the first token)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
+    draft_sizes: list[int] = field(default_factory=list)  # cost-aware: draft tokens verified per round
 
     @property
     def rounds(self) -> int:
@@ -83,9 +84,12 @@ class Generation:
         return sum(self.accept_lengths) / max(1, self.rounds)
 
     def stats(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens), "rounds": self.rounds,
-                "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 4),
-                "decode_seconds": round(self.decode_seconds, 4), "finish_reason": self.finish_reason}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens), "rounds": self.rounds,
+               "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 4),
+               "decode_seconds": round(self.decode_seconds, 4), "finish_reason": self.finish_reason}
+        if self.draft_sizes:
+            out["mean_draft_size"] = round(sum(self.draft_sizes) / len(self.draft_sizes), 2)
+        return out
 
 
 def usage_stats(g: Generation, label: str | None) -> dict[str, Any]:

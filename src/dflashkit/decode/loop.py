@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.decode import cost
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
 from dflashkit.decode.static import static_engine, supported
-from dflashkit.decode.tree import Tree, build_tree, walk
+from dflashkit.decode.tree import Tree, build_tree, prefix, walk
 
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
@@ -92,20 +93,28 @@ def _per_row(value: Any, n: int, name: str) -> list[Any]:
     return values
 
 
-def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | None, top_k: int
-           ) -> tuple[list[Tree], Tensor, Tensor, Tensor | None, Tensor | None]:
+def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | None, top_k: int,
+           curve: cost.CostCurve | None = None) -> tuple[list[Tree], Tensor, Tensor, Tensor | None, Tensor | None]:
     """Each row's draft tree from the drafter's logits [b, B-1, V], and what verification needs:
     tokens and depths [b, q], ancestors [b, q, q] (None for chains), and the DFlash chain's
-    tokens still on the device (or None)."""
+    tokens still on the device (or None). With a cost `curve`, only the prefix of the draft
+    that maximises expected tokens per second is kept (the same size for every row)."""
     b, dev = bonus.shape[0], bonus.device
     if method == "ar":
         return [Tree([], [], [])] * b, bonus[:, None], torch.zeros(b, 1, dtype=torch.long, device=dev), None, None
     if method == "dflash":  # the chain stays on the device: one host transfer per round, after verify
-        chain = dlogits.argmax(-1)
+        if curve is None:
+            chain = dlogits.argmax(-1)
+        else:
+            conf, chain = torch.softmax(dlogits.float(), -1).max(-1)
+            chain = chain[:, :curve.best_width(cost.chain_expectation(conf.cpu())) - 1]
         depths = torch.arange(chain.shape[1] + 1, device=dev).expand(b, -1)
         return [], torch.cat([bonus[:, None], chain], 1), depths, None, chain
     lp, ids = torch.log_softmax(dlogits.float(), -1).topk(top_k, dim=-1)
     trees = [build_tree(l, i, budget) for l, i in zip(lp.cpu(), ids.cpu())]
+    if curve is not None:
+        m = curve.best_width(cost.tree_expectation([t.scores for t in trees], budget)) - 1
+        trees = [prefix(t, m) for t in trees]
     q = 1 + max(len(t) for t in trees)
     tokens = torch.tensor([t.tokens + [0] * (q - 1 - len(t)) for t in trees], dtype=torch.long)
     depths = torch.tensor([[0, *t.depths] + [0] * (q - 1 - len(t)) for t in trees])
@@ -126,6 +135,7 @@ def decode_stream(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
     profile: bool = False,
+    cost_aware: bool = False,
 ) -> Iterator[list[tuple[int, list[int], Generation]]]:
     """Decode every prompt to its first stop token (included) or its token limit. Yields, after
     the prefill and after each round, (prompt index, newly committed tokens, its running
@@ -134,7 +144,9 @@ def decode_stream(
     `cancelled(prompt index)` turns true leaves the batch before the next round, unfinished.
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot)."""
+    `budget` nodes from the top-`top_k` tokens of each slot). cost_aware: measure what
+    verification costs here, then verify per round only the draft prefix that maximises expected
+    tokens per second (`decode/cost.py`); the sizes chosen go to `Generation.draft_sizes`."""
     prompts = [p.reshape(-1) if p.ndim == 2 and p.shape[0] == 1 else p for p in prompts]
     if not prompts or any(p.ndim != 1 for p in prompts):
         raise ValueError("prompts: expected a non-empty list of [T] or [1, T] token tensors")
@@ -163,6 +175,11 @@ def decode_stream(
     res = [Generation([], [], "", len(p), prefill_s, 0.0) for p in prompts]
     rows = list(range(n))  # prompt index of each row of the running batch
     yield [(i, res[i].extend([t], limits[i], stop_ids), res[i]) for i, t in enumerate(first)]
+    curve = None
+    if cost_aware and method != "ar":
+        top = B if method == "dflash" else budget + 1
+        curve = cost.measure(engine, sorted({w for w in (1, 2, 4, 8, 16, 32, 64, top) if w <= top}))
+        t1 = time.perf_counter()  # the measurement is not decoding time
     while True:
         running = [not res[i].finish_reason and not cancelled(i) for i in rows]
         if not any(running):
@@ -172,9 +189,13 @@ def decode_stream(
             engine.keep_rows(keep)
             bonus, rows, running = bonus[torch.tensor(keep, device=dev)], [rows[k] for k in keep], [True] * len(keep)
         stages.start()
+        t_draft = time.perf_counter()
         dlogits = engine.draft(bonus) if method != "ar" else None  # [b, B-1, V]
         stages.mark("draft")
-        trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method, budget, top_k)
+        trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method, budget, top_k, curve)
+        if curve is not None:  # the tree's host transfer has waited for the draft: its time is known
+            spent = time.perf_counter() - t_draft
+            curve.draft_seconds = spent if not curve.draft_seconds else 0.8 * curve.draft_seconds + 0.2 * spent
         stages.mark("tree")
         picked = row_tokens(engine.verify(tokens, depths, anc), [samplings[i] for i in rows], [gens[i] for i in rows])
         stages.mark("verify")
@@ -194,6 +215,8 @@ def decode_stream(
                 continue
             new = res[i].extend([tree.tokens[j - 1] for j in path[1:]] + [last], limits[i], stop_ids)
             res[i].accept_lengths.append(len(new))
+            if curve is not None:
+                res[i].draft_sizes.append(tokens.shape[1] - 1)
             res[i].decode_seconds = time.perf_counter() - t1
             res[i].stage_seconds = dict(stages.seconds)
             step.append((i, new, res[i]))

@@ -7,7 +7,7 @@ Pure functions. A round verifies, per row, the bonus token (node 0, the root) an
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ class Tree:
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+    scores: list[float] = field(default_factory=list, compare=False)  # summed log-probability (best-first trees)
 
     @classmethod
     def chain(cls, tokens: list[int]) -> "Tree":
@@ -65,12 +66,18 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> Tree:
         tree.tokens.append(ids[slot][rank])
         tree.parents.append(parent)
         tree.depths.append(slot + 1)
+        tree.scores.append(-neg)
         node = len(tree)
         if rank + 1 < k:
             heapq.heappush(heap, (-(pscore + lp[slot][rank + 1]), parent, slot, rank + 1, pscore))
         if slot + 1 < slots:
             heapq.heappush(heap, (neg - lp[slot + 1][0], node, slot + 1, 0, -neg))
     return tree
+
+
+def prefix(tree: Tree, m: int) -> Tree:
+    """The first m nodes of a best-first tree: itself a best-first tree (parents come first)."""
+    return Tree(tree.tokens[:m], tree.parents[:m], tree.depths[:m], tree.scores[:m])
 
 
 def walk(tree: Tree, tokens: list[int]) -> tuple[list[int], int]:

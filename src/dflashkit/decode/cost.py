@@ -1,0 +1,80 @@
+"""Cost-aware drafting: how much to verify, given what verification costs on this hardware.
+
+A verification pass of q tokens costs more with q on a compute-bound machine (a 2-core CPU: a
+16-token pass costs several 1-token steps) and about the same on a memory-bound one (a GPU at
+batch 1). The engine measures its cost curve once (seconds per pass of q tokens at the batch
+size in use); each round then keeps the prefix of the draft (a chain's first k tokens, a
+best-first tree's first m nodes, itself a best-first tree) that maximises expected tokens per
+second, taking the drafter's own probabilities as the chance that the target accepts a path.
+Lossless either way: it only decides how much of the draft is verified.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class CostCurve:
+    widths: list[int]  # verification widths measured, ascending
+    seconds: list[float]  # one pass of that width
+    draft_seconds: float = 0.0  # one drafter pass (running estimate)
+
+    def verify(self, q: int) -> float:
+        """Seconds for a pass of q tokens, interpolated linearly between the measured widths."""
+        w, s = self.widths, self.seconds
+        if q <= w[0]:
+            return s[0]
+        for (w0, s0), (w1, s1) in zip(zip(w, s), zip(w[1:], s[1:])):
+            if q <= w1:
+                return s0 + (s1 - s0) * (q - w0) / (w1 - w0)
+        return s[-1] + (s[-1] - s[-2]) * (q - w[-1]) / max(1, w[-1] - w[-2])
+
+    def best_width(self, expected: Tensor) -> int:
+        """expected [q_max]: tokens a round yields (summed over rows) when it verifies q = 1..q_max
+        tokens per row -> the q with the most tokens per second."""
+        rates = [float(e) / (self.draft_seconds + self.verify(q)) for q, e in enumerate(expected.tolist(), start=1)]
+        return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+
+def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
+    """Time verification passes of each width on the engine's current rows (after a prefill).
+    Nothing is committed: the passes write past every row's length, where the next round writes."""
+    b, dev = engine.batch, engine.target.device
+    seconds = []
+    for q in widths:
+        tokens = torch.zeros(b, q, dtype=torch.long, device=dev)
+        depths = torch.arange(q, device=dev).expand(b, -1)
+        engine.verify(tokens, depths)  # warm-up (graph capture, compilation)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            engine.verify(tokens, depths)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append((time.perf_counter() - t) / reps)
+    return CostCurve(list(widths), seconds)
+
+
+def chain_expectation(probs: Tensor) -> Tensor:
+    """probs [b, k]: the drafter's probability of its own token per slot -> expected tokens of a
+    round that verifies the first 0..k of them, summed over rows: [k + 1] (the target's own token
+    at the end of the accepted path always counts)."""
+    accept = torch.cumprod(probs.float(), dim=1).sum(0)  # [k]: expected rows reaching slot j
+    return torch.cat([probs.new_ones(1).float() * probs.shape[0], probs.shape[0] + torch.cumsum(accept, 0)])
+
+
+def tree_expectation(scores: list[list[float]], max_nodes: int) -> Tensor:
+    """scores: per row, each node's summed log-probability in best-first order -> expected tokens of
+    a round that verifies the first 0..max_nodes nodes of each row's tree, summed over rows."""
+    out = torch.full((max_nodes + 1,), float(len(scores)))
+    for row in scores:
+        p = torch.tensor(row[:max_nodes], dtype=torch.float64).exp()
+        out[1:len(p) + 1] += torch.cumsum(p, 0).float()
+        out[len(p) + 1:] += float(p.sum())
+    return out
