@@ -177,6 +177,23 @@ def to_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike[str]
         raise
 
 
+NEAR_COPY = 0.6  # token Jaccard at or above which two prompts count as near copies
+NGRAM = 8  # a shared run of this many words ties a training prompt to an evaluation prompt
+
+
+def prompt_ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    """Every run of `n` consecutive lower-cased words of `text`."""
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def eval_prompt_texts() -> list[str]:
+    """The text (all turns) of every evaluation prompt: all of HumanEval and every suite, the
+    prompts training data must keep away from."""
+    convs = _load_humaneval() + [c for s in EVAL_SUITES if s.name != "humaneval" for c in load_suite(s.name)]
+    return ["\n".join(m["content"] for m in c.messages) for c in convs]
+
+
 def prompt_tokens(text: str) -> frozenset[str]:
     """Lower-cased word tokens of a prompt, the unit of `token_jaccard`."""
     return frozenset(re.findall(r"\w+", text.lower()))
