@@ -178,6 +178,14 @@ def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: It
     return report
 
 
+def heldout_items(cache: Any, eval_samples: int, seed: int) -> list[FeatureItem]:
+    """The samples of `cache` that `train` holds out for tau_sim with these settings (same split,
+    suite by suite when the ids carry suite labels)."""
+    from dflashkit.train import split_eval
+
+    return [cache[i] for i in split_eval(len(cache), eval_samples, seed, cache.ids())[1]]
+
+
 def _weight_file(src: str, tensor: str) -> Path:
     """The safetensors file holding `tensor`: a local directory, or (online) a hub repository."""
     local = Path(src).expanduser()
@@ -478,30 +486,42 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
 # ---- reports ---------------------------------------------------------------------------------------
 
 
+def method_table(report: dict[str, Any]) -> list[str]:
+    """One row per drafter and method: the online or offline columns."""
+    online = report["mode"] == "online"
+    if online:
+        lines = ["| drafter | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    else:
+        lines = ["| drafter | method | τ (rounds) | rounds | τ (every position) |", "| --- | --- | ---: | ---: | ---: |"]
+    for name, d in report["drafters"].items():
+        for lab, m in d["methods"].items():
+            if online:
+                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
+                             f"{m['speedup']:.2f}x | {m['decode_speedup']:.2f}x | {_identical(m)} |")
+            else:
+                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     online = report["mode"] == "online"
     lines = [f"# dflashkit eval ({report['mode']})", ""]
     for k in ("date", "target", "device", "settings"):
         if k in report:
             lines.append(f"- {k}: `{json.dumps(report[k]) if isinstance(report[k], dict) else report[k]}`")
+    if "heldout" in report:
+        h = report["heldout"]
+        lines += ["", f"## Held-out split of the training domain ({h['samples']} samples, {h['answer_tokens']} answer "
+                  "tokens, decoding rounds replayed offline)", "", *method_table(h)]
     if "suites" in report:
-        lines += ["", *suite_table(report), "", "Over all prompts of the suites together:"]
+        lines += ["", "## Evaluation suites", "", *suite_table(report), "", "Over all prompts of the suites together:", ""]
     if online:
         b = report["baseline"]
-        lines += [f"- prompts: {report['prompts']}; autoregressive baseline: {b['tokens']} tokens, {b['tokens_per_s']:.2f} tokens/s", "",
-                  "| drafter | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines.append(f"- prompts: {report['prompts']}; autoregressive baseline: {b['tokens']} tokens, {b['tokens_per_s']:.2f} tokens/s")
     else:
-        lines += [f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}", "",
-                  "| drafter | method | τ (rounds) | rounds | τ (every position) |", "| --- | --- | ---: | ---: | ---: |"]
-    for name, d in report["drafters"].items():
-        for lab, m in d["methods"].items():
-            if online:
-                same = _identical(m)
-                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
-                             f"{m['speedup']:.2f}x | {m['decode_speedup']:.2f}x | {same} |")
-            else:
-                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
+        lines.append(f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}")
+    lines += ["", *method_table(report)]
     lines += ["", "τ = accepted draft tokens + 1 per round (the final round of an answer counts tokens up to its end). "
               "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png."]
     if online and report["greedy"]:
@@ -609,7 +629,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="dflash,ddtree", help="comma list of dflash, ddtree (default both)")
     p.add_argument("--budgets", default=None, help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
     p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k)")
-    p.add_argument("--limit", type=int, default=None, help="prompts (online) or samples (offline) to evaluate")
+    p.add_argument("--limit", type=int, default=None, help="prompts per suite or of --prompts (online), or samples (offline)")
+    p.add_argument("--heldout", action="store_true", help="offline mode: only the held-out split that `train` "
+                   "measures tau_sim on (train.eval_samples, train.seed): a before/after report for fine-tuning")
     g = p.add_argument_group("online mode only")
     g.add_argument("--suites", default=None, help="comma list of evaluation suites (default eval.suites: "
                    "humaneval,code,math,chat,multiturn), each with its own prompt count and answer length")
@@ -656,6 +678,8 @@ def run(args: argparse.Namespace) -> int:
     ec = cfg.eval
     offline = args.features is not None
     given = [f"--{k.replace('_', '-')}" for k in ONLINE_ONLY if getattr(args, k) is not None]
+    if args.heldout and not offline:
+        raise ValueError("--heldout selects samples of a feature cache: it needs --features DIR")
     if offline and given:
         log.warning("offline evaluation replays the cached data greedily; ignoring %s", ", ".join(given))
     paths = parse_drafters(args.drafter)
@@ -685,7 +709,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--drafter {path}: target_layer_ids {d.config.target_layer_ids} differ from the feature "
                                  f"cache's layers {cache.layer_ids} ({args.features}); extract features for this drafter")
             drafters[name] = d
-        report = evaluate_offline(drafters, head, cache, methods=methods, budgets=budgets, top_k=top_k, limit=args.limit)
+        items = heldout_items(cache, cfg.train.eval_samples, cfg.train.seed) if args.heldout else cache
+        report = evaluate_offline(drafters, head, items, methods=methods, budgets=budgets, top_k=top_k, limit=args.limit)
         report["features"] = str(args.features)
     else:
         from dflashkit.data.prompts import get_suite, load_prompts, load_suite
