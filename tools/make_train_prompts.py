@@ -87,7 +87,7 @@ def generate(count: int = COUNT, seed: int = SEED) -> list[dict]:
     order = [c for c in names for _ in made[c]]
     r.shuffle(order)
     its = {c: iter(made[c]) for c in names}
-    return [{"id": f"builtin-{c}-{i:05d}", "messages": next(its[c]), "category": c} for i, c in enumerate(order, 1)]
+    return [{"id": f"{c}-{i:05d}", "messages": next(its[c]), "category": c} for i, c in enumerate(order, 1)]
 
 
 def main() -> None:

@@ -543,6 +543,19 @@ def _identical(m: dict[str, Any]) -> str:
     return (f"NO, unexplained: {', '.join(bad)}" if bad else "") or f"{numerical} parting(s), all numerical near-ties"
 
 
+def training_tau_sim(paths: dict[str, Path]) -> dict[str, Any]:
+    """{'tau_sim': {drafter: {suite: tau_sim}}} for drafters that are a training run's `best/`
+    whose held-out split had suite labels (best.json: tau_sim_by_suite); {} when none has."""
+    found = {}
+    for name, path in paths.items():
+        best = Path(path).parent / "best.json"
+        if Path(path).name == "best" and best.is_file():
+            by_suite = json.loads(best.read_text()).get("tau_sim_by_suite")
+            if by_suite:
+                found[name] = by_suite
+    return {"tau_sim": found} if found else {}
+
+
 def suite_table(report: dict[str, Any]) -> list[str]:
     """The suites side by side: τ (speed-up) per suite, the mean over suites and the worst suite;
     τ_sim per suite beside it when the report carries one (`tau_sim`: {drafter: {suite: value}})."""
@@ -740,6 +753,7 @@ def run(args: argparse.Namespace) -> int:
                 (s, eval_prompts(load_suite(s.name, limit), target.tokenizer, thinking=cfg.data.thinking)) for s in suites], **kw)
             settings.update(suites=[s.name for s in suites], limit=limit)
         settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+    report.update(training_tau_sim(paths))
     report.update(date=time.strftime("%Y-%m-%d %H:%M"), target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
                   device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
                   drafter_paths={n: str(p) for n, p in paths.items()})
