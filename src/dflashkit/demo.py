@@ -1,4 +1,4 @@
-"""`dflashkit demo`: the main job on the embedded default (SPEC §4), end to end.
+"""`dflashkit demo`: the main job on the embedded default, end to end.
 
 prompts -> regenerate -> tokenize -> extract -> adapt -> evaluate -> report, on SmolLM2-135M-Instruct,
 on a GPU when there is one. Rather than training a drafter from scratch (a few CPU minutes teach

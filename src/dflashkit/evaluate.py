@@ -181,9 +181,9 @@ def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: It
 def heldout_items(cache: Any, eval_samples: int, seed: int) -> list[FeatureItem]:
     """The samples of `cache` that `train` holds out for tau_sim with these settings (same split,
     suite by suite when the ids carry suite labels)."""
-    from dflashkit.train import split_eval
+    from dflashkit.train import sample_ids, split_eval
 
-    return [cache[i] for i in split_eval(len(cache), eval_samples, seed, cache.ids())[1]]
+    return [cache[i] for i in split_eval(len(cache), eval_samples, seed, sample_ids(cache))[1]]
 
 
 def _weight_file(src: str, tensor: str) -> Path:

@@ -140,6 +140,11 @@ def split_eval(n: int, eval_samples: int, seed: int, ids: Sequence[str] | None =
     return [i for i in range(n) if i not in held_set], held
 
 
+def sample_ids(samples: Sequence[Any]) -> list[str]:
+    """Every sample's id; a feature cache lists them without reading features."""
+    return list(samples.ids) if hasattr(samples, "ids") else [s.id for s in samples]
+
+
 def held_out_groups(ids: Sequence[str], eval_idx: list[int]) -> dict[str, list[int]]:
     """Held-out indices by suite label, when there are several suites; else {}."""
     out: dict[str, list[int]] = {}
@@ -679,7 +684,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
     dcfg = drafter.config
     check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
 
-    ids = samples.ids() if hasattr(samples, "ids") else [s.id for s in samples]
+    ids = sample_ids(samples)
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
     eval_groups = held_out_groups(ids, eval_idx)
     total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
