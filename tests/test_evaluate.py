@@ -176,6 +176,24 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
     assert "| mine | dflash |" in (root / "on" / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys):
+    """By default the CLI evaluates suites, each at its own answer length; float32 on a CPU: every
+    greedy output identical to autoregressive decoding (no parting to explain)."""
+    root = smol_eval_setup
+    rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
+               "--methods", "dflash", "--engine", "hf", "--out", str(root / "suites"), "target.device=cpu",
+               "target.dtype=float32"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((root / "suites" / "report.json").read_text())
+    assert list(rep["suites"]) == ["math", "multiturn"] and rep["prompts"] == 2
+    assert [r["id"] for r in rep["per_prompt"]] == ["math-01", "multiturn-01"]
+    h = rep["headline"]["mine"]["dflash"]
+    assert h["mean_tau"] > 1.3 and h["worst_suite"] in ("math", "multiturn")
+    assert rep["drafters"]["mine"]["methods"]["dflash"]["identical"] is True
+    assert "| mine | dflash | " in (root / "suites" / "report.md").read_text()
+
+
 def test_eval_cli_argument_errors(tmp_path, capsys):
     """Clear errors, each before any model is loaded."""
     assert main(["eval"]) == 1
@@ -193,6 +211,10 @@ def test_eval_cli_argument_errors(tmp_path, capsys):
     assert "--budgets" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "ok"), "--features", str(tmp_path / "nofeats")]) == 1
     assert "manifest.json" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--suites", "code,poetry"]) == 1
+    assert "unknown evaluation suite 'poetry'" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--heldout"]) == 1
+    assert "--heldout" in capsys.readouterr().err
 
 
 def test_write_report_files(tmp_path):
