@@ -17,8 +17,10 @@ from dflashkit.data.features import FeatureSample
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
-from dflashkit.evaluate import (Prompt, answer_spans, evaluate_offline, evaluate_online, method_labels, offline_accepted,
-                                replay_rounds, summarize, write_report)
+from dflashkit.data.prompts import Suite
+from dflashkit.evaluate import (Prompt, answer_spans, check_partings, classify_parting, evaluate_offline, evaluate_online,
+                                evaluate_suites, markdown, method_labels, offline_accepted, replay_rounds, rounding_bound,
+                                summarize, write_report)
 
 LABELS = method_labels(["dflash", "ddtree"], [4, 12])
 
@@ -175,6 +177,24 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
     assert "| mine | dflash |" in (root / "on" / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys):
+    """By default the CLI evaluates suites, each at its own answer length; float32 on a CPU: every
+    greedy output identical to autoregressive decoding (no parting to explain)."""
+    root = smol_eval_setup
+    rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
+               "--methods", "dflash", "--engine", "hf", "--out", str(root / "suites"), "target.device=cpu",
+               "target.dtype=float32"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((root / "suites" / "report.json").read_text())
+    assert list(rep["suites"]) == ["math", "multiturn"] and rep["prompts"] == 2
+    assert [r["id"] for r in rep["per_prompt"]] == ["math-01", "multiturn-01"]
+    h = rep["headline"]["mine"]["dflash"]
+    assert h["mean_tau"] > 1.3 and h["worst_suite"] in ("math", "multiturn")
+    assert rep["drafters"]["mine"]["methods"]["dflash"]["identical"] is True
+    assert "| mine | dflash | " in (root / "suites" / "report.md").read_text()
+
+
 def test_eval_cli_argument_errors(tmp_path, capsys):
     """Clear errors, each before any model is loaded."""
     assert main(["eval"]) == 1
@@ -192,6 +212,10 @@ def test_eval_cli_argument_errors(tmp_path, capsys):
     assert "--budgets" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "ok"), "--features", str(tmp_path / "nofeats")]) == 1
     assert "manifest.json" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--suites", "code,poetry"]) == 1
+    assert "unknown evaluation suite 'poetry'" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "ok"), "--heldout"]) == 1
+    assert "--heldout" in capsys.readouterr().err
 
 
 def test_write_report_files(tmp_path):
@@ -201,3 +225,82 @@ def test_write_report_files(tmp_path):
     assert sorted(f.name for f in files) == ["report.json", "report.md", "slot_acceptance.png", "tau_hist.png"]
     assert "| a | dflash | 2.333 | 3 | 2.000 |" in (tmp_path / "report.md").read_text()
     assert not (tmp_path / ".plots").exists()
+
+
+# ---- suites side by side, partings classified ------------------------------------------------------
+
+
+def _tiny_prompts(n: int, seed: int) -> list[Prompt]:
+    g = torch.Generator().manual_seed(seed)
+    return [Prompt(f"p{seed}-{i}", torch.randint(3, 120, (1, 6 + i), generator=g)) for i in range(n)]
+
+
+def test_evaluate_suites_side_by_side_mean_and_worst():
+    """Each suite decodes to its own answer length; the headline is the unweighted mean over suites
+    and the worst suite; the pooled report sums rounds and tokens. float32: no parting at all."""
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    suites = [(Suite("a", 2, 12, ""), _tiny_prompts(2, 0)), (Suite("b", 3, 20, ""), _tiny_prompts(3, 1))]
+    rep = evaluate_suites(target, {"d": drafter}, suites, methods=["dflash", "ddtree"], budgets=[4], top_k=2, engine="hf")
+    assert list(rep["suites"]) == ["a", "b"] and rep["prompts"] == 5
+    assert [r["suite"] for r in rep["per_prompt"]] == ["a", "a", "b", "b", "b"]
+    assert all(r["ar_tokens"] == (12 if r["suite"] == "a" else 20) for r in rep["per_prompt"])  # no stop ids: full length
+    for lab in ("dflash", "ddtree-4"):
+        per = {s: rep["suites"][s]["drafters"]["d"][lab] for s in "ab"}
+        h = rep["headline"]["d"][lab]
+        assert h["mean_tau"] == pytest.approx((per["a"]["tau"] + per["b"]["tau"]) / 2)
+        assert h["worst_tau"] == min(m["tau"] for m in per.values()) and per[h["worst_suite"]]["tau"] == h["worst_tau"]
+        pooled = rep["drafters"]["d"]["methods"][lab]
+        assert pooled["rounds"] == per["a"]["rounds"] + per["b"]["rounds"] and sum(pooled["hist"]) == pooled["rounds"]
+        assert pooled["identical"] is True and pooled["unexplained_partings"] == []
+    assert rep["baseline"]["tokens"] == 2 * 12 + 3 * 20
+    md = markdown(rep)
+    assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md
+    check_partings(rep)  # nothing to explain
+
+
+def test_rounding_bound_is_ulps_at_the_magnitude():
+    assert rounding_bound(20.0, torch.bfloat16, 4) == 4 * 2 ** -7 * 16  # bf16 spacing at 16..32 is 1/8
+    assert rounding_bound(-3.0, torch.bfloat16, 1) == 2 ** -7 * 2
+    assert rounding_bound(20.0, torch.float32, 4) == 4 * 2 ** -23 * 16
+
+
+def test_classify_parting_near_tie_and_real_error():
+    V = 10
+    ar = torch.zeros(V)
+    ar[3], ar[7], ar[1] = 20.0, 19.875, 12.0  # tokens 3 and 7: one bf16 step (1/8) apart at 16..32
+    ver = ar.clone()
+    ver[7] = 20.125  # the verification pass rounds the other way
+    tie = classify_parting(ar, ver, ar_token=3, spec_token=7, dtype=torch.bfloat16)
+    assert tie["numerical"] and tie["bound"] == 0.5
+    assert tie["passes"]["ar"]["top2_margin"] == 0.125 and tie["passes"]["verify"]["ar_token_gap"] == 0.125
+    wrong = classify_parting(ar, ar, ar_token=3, spec_token=1, dtype=torch.bfloat16)  # 8 logits below the top
+    assert not wrong["numerical"] and wrong["passes"]["ar"]["spec_token_gap"] == 8.0
+    # the same near-tie is no excuse in float32, where both passes agree to ~1e-6
+    assert not classify_parting(ar, ver, ar_token=3, spec_token=7, dtype=torch.float32)["numerical"]
+
+
+def test_an_unexplained_parting_fails_the_evaluation(monkeypatch):
+    """A speculative output that takes a token the target ranks far below its top one (a decoding
+    bug, simulated by corrupting one token) is classified unexplained and fails loudly."""
+    import dflashkit.evaluate as ev
+
+    real = ev.generate
+
+    def corrupt(engine, ids, *, method, **kw):
+        g = real(engine, ids, method=method, **kw)
+        if method != "ar":
+            g.tokens[5] = (g.tokens[5] + 1) % 128
+        return g
+
+    monkeypatch.setattr(ev, "generate", corrupt)
+    target = make_tiny_target()
+    rep = evaluate_online(target, {"d": make_tiny_drafter(target)}, _tiny_prompts(1, 2), methods=["dflash"],
+                          max_new_tokens=12, engine="hf")
+    (parting,) = rep["per_prompt"][0]["partings"].values()
+    assert parting["position"] == 5 and not parting["numerical"]
+    assert parting["passes"]["ar"]["spec_token_gap"] > parting["bound"]
+    assert rep["drafters"]["d"]["methods"]["dflash"]["unexplained_partings"] == ["p2-0"]
+    with pytest.raises(RuntimeError, match="p2-0 d/dflash at output position 5"):
+        check_partings(rep)
+    assert "NO, unexplained: p2-0" in markdown(rep)

@@ -112,9 +112,11 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    prompts: str = "humaneval"
-    limit: Int | None = Field(20, ge=1)
-    max_new_tokens: Int = Field(128, ge=1)
+    prompts: str | None = Field(None, description="one prompt set instead of the suites (same sources as data.prompts)")
+    suites: list[str] = Field(default_factory=lambda: ["humaneval", "code", "math", "chat", "multiturn"],
+                              description="evaluation suites reported side by side when `prompts` is None")
+    limit: Int | None = Field(None, ge=1, description="at most this many prompts per suite (or of `prompts`)")
+    max_new_tokens: Int = Field(128, ge=1, description="answer length for `prompts` (each suite has its own)")
     temperature: Float = Field(0.0, ge=0.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64])

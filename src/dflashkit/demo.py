@@ -1,11 +1,13 @@
-"""`dflashkit demo`: the main job on the embedded default (SPEC §4), end to end.
+"""`dflashkit demo`: the main job on the embedded default, end to end.
 
-prompts -> regenerate -> tokenize -> extract -> train -> evaluate -> report, on SmolLM2-135M-Instruct,
-on a GPU when there is one. A drafter trained in a few minutes on two CPU cores is weak, so the
-report also evaluates the bundled SmolLM2 drafter (trained on one H200 by
-`benchmarks/quality_run.py --config configs/smollm2-bundled.yaml`), side by side, whatever the
-numbers are. Every stage writes plain files under `--out` and is skipped (or resumed) when its
-output is already there, so a second run reuses the first one's work.
+prompts -> regenerate -> tokenize -> extract -> adapt -> evaluate -> report, on SmolLM2-135M-Instruct,
+on a GPU when there is one. Rather than training a drafter from scratch (a few CPU minutes teach
+a drafter little), the demo adapts the bundled SmolLM2 drafter to its own regenerated domain:
+fine-tuning from `drafter.init_from` with the settings of `configs/finetune.yaml`. It reports τ
+before and after on a held-out split of that domain (the split training measures tau_sim on),
+and both drafters on the evaluation suites, side by side. Every stage writes plain files under
+`--out` and is skipped (or resumed) when its output is already there, so a second run reuses the
+first one's work.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from typing import Any, Callable
 
 log = logging.getLogger("dflashkit.demo")
 
+# The fine-tuning preset of configs/finetune.yaml (a third of the from-scratch learning rate).
+FINETUNE_LR = 2.0e-4
+FINETUNE_WARMUP = 0.05
+
 
 @dataclass
 class Plan:
@@ -30,19 +36,17 @@ class Plan:
     train_prompts: int
     answer_tokens: int
     train_minutes: float
-    drafter_layers: int
-    eval_prompts: int
-    eval_tokens: int
+    heldout: int  # regenerated samples held out for the before/after τ
+    suite_prompts: int | None  # prompts per evaluation suite; None = each suite's full count
     budgets: list[int]
 
     @classmethod
     def for_device(cls, cuda: bool) -> "Plan":
         if cuda:
-            return cls(train_prompts=2200, answer_tokens=256, train_minutes=5.0, drafter_layers=4,
-                       eval_prompts=20, eval_tokens=128, budgets=[8, 16, 32, 64])
-        # On two cores the evaluation dominates: 10 prompts x (AR + 2 drafters x 2 methods) ~ 9 min.
-        return cls(train_prompts=32, answer_tokens=128, train_minutes=3.0, drafter_layers=1,
-                   eval_prompts=10, eval_tokens=128, budgets=[64])
+            return cls(train_prompts=2200, answer_tokens=256, train_minutes=3.0, heldout=64, suite_prompts=None,
+                       budgets=[8, 16, 32, 64])
+        # On two cores the suites dominate: 5 suites x 2 prompts x (AR + 2 drafters x 2 methods) ~ 11 min.
+        return cls(train_prompts=40, answer_tokens=128, train_minutes=2.5, heldout=8, suite_prompts=2, budgets=[64])
 
 
 def bundled_drafter_dir() -> Path:
@@ -77,11 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from dflashkit.commands import add_config_options
 
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); re-runs reuse it")
-    p.add_argument("--train-prompts", type=int, help="built-in prompts the target answers (CPU 32, GPU 2200)")
-    p.add_argument("--train-minutes", type=float, help="training wall clock (CPU 3, GPU 5)")
-    p.add_argument("--eval-prompts", type=int, help="first N HumanEval prompts to evaluate on (CPU 10, GPU 20)")
+    p.add_argument("--train-prompts", type=int, help="built-in prompts the target answers (CPU 40, GPU 2200)")
+    p.add_argument("--train-minutes", type=float, help="fine-tuning wall clock (CPU 2.5, GPU 3)")
+    p.add_argument("--suite-prompts", type=int, help="prompts per evaluation suite (CPU 2, GPU each suite's count)")
     p.add_argument("--budgets", help="DDTree node budgets, comma list (CPU 64, GPU 8,16,32,64)")
-    p.add_argument("--no-bundled", action="store_true", help="do not evaluate the bundled SmolLM2 drafter")
     add_config_options(p)
 
 
@@ -90,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
     from dflashkit.data.chat import load_tokenized, tokenize_file
     from dflashkit.data.features import FeatureCache, extract_features
-    from dflashkit.data.prompts import load_prompts
+    from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite
     from dflashkit.data.regenerate import GenerationParams, regenerate_local
-    from dflashkit.drafter import default_target_layer_ids
-    from dflashkit.evaluate import eval_prompts, evaluate_online, markdown, write_report
+    from dflashkit.evaluate import (check_partings, eval_prompts, evaluate_offline, evaluate_suites, heldout_items,
+                                    markdown, training_tau_sim, write_report)
     from dflashkit.target import load_target
     from dflashkit.train import train
     from dflashkit.vocab import stop_token_ids
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.target.device)
     plan = Plan.for_device(device.startswith("cuda"))
     for field, value in (("train_prompts", args.train_prompts), ("train_minutes", args.train_minutes),
-                         ("eval_prompts", args.eval_prompts)):
+                         ("suite_prompts", args.suite_prompts)):
         if value is not None:
             if value <= 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive, got {value}")
@@ -115,10 +118,12 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     cpu = not device.startswith("cuda")
-    per_prompt = 55 if cpu else 6  # seconds of evaluation per prompt (measured on 2 CPU cores / an H200)
+    n_eval = sum(min(s.prompts, plan.suite_prompts or s.prompts) for s in EVAL_SUITES)
+    per_prompt = 65 if cpu else 6  # seconds of evaluation per prompt (measured on 2 CPU cores / an H200)
     stages = Stages({"load target": 10, "regenerate": 3.5 * plan.train_prompts if cpu else 120, "tokenize": 5,
-                     "extract": 1.5 * plan.train_prompts if cpu else 20, "train": plan.train_minutes * 60,
-                     "evaluate": per_prompt * plan.eval_prompts, "report": 2})
+                     "extract": 1.5 * plan.train_prompts if cpu else 20, "held-out τ before": 10,
+                     "adapt": plan.train_minutes * 60, "held-out τ after": 10,
+                     "evaluate suites": per_prompt * n_eval, "report": 2})
     log.info("demo plan (%s): %s", device, plan)
 
     target = stages.run("load target", lambda: load_target(cfg.target.path, gguf_file=cfg.target.gguf_file,
@@ -133,46 +138,53 @@ def run(args: argparse.Namespace) -> int:
 
     stages.run("regenerate", regenerate)
     stages.run("tokenize", lambda: tokenize_file(regen, target.tokenizer, tok_path, max_length=cfg.data.max_length))
-    layer_ids = cfg.drafter.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.drafter.num_taps)
+    bundled = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
+    layer_ids = list(bundled.config.target_layer_ids)  # the features the bundled drafter reads
     stages.run("extract", lambda: extract_features(target, load_tokenized(tok_path), layer_ids, feats, dtype="bfloat16",
                                                    batch_size=4 if cpu else 32))
+    cache = FeatureCache(feats, dtype=target.dtype)
 
-    run_dir = out / "train"
+    run_dir = out / "adapt"
+    tcfg = cfg.model_copy(deep=True)
+    tcfg.drafter.init_from = str(bundled_drafter_dir())
+    tcfg.data.features = str(feats)
+    tcfg.train.output_dir = str(run_dir)
+    tcfg.train.time_budget_s = plan.train_minutes * 60
+    tcfg.train.lr, tcfg.train.warmup_ratio = FINETUNE_LR, FINETUNE_WARMUP
+    # On a CPU the LM head's cross-entropy over 49k tokens dominates: few anchors per step.
+    tcfg.train.batch_size, tcfg.train.micro_batch_size = (4, 4) if cpu else (16, 16)
+    tcfg.train.anchors_per_seq = 16 if cpu else 512
+    tcfg.train.eval_every, tcfg.train.eval_samples = (10, plan.heldout) if cpu else (25, plan.heldout)
+    tcfg.train.save_every = 10**6
+    tcfg.train.tensorboard = False
+    held = heldout_items(cache, plan.heldout, tcfg.train.seed)  # the split training measures tau_sim on
+    methods = dict(methods=["dflash", "ddtree"], budgets=plan.budgets)
+    before = stages.run("held-out τ before", lambda: evaluate_offline({"bundled (before)": bundled}, target, held, **methods))
 
-    def train_scratch() -> Path:
+    def adapt() -> Path:
         if (run_dir / "final" / "model.safetensors").is_file():
-            log.info("reusing the drafter trained by an earlier run: %s", run_dir / "final")
+            log.info("reusing the drafter adapted by an earlier run: %s", run_dir / "final")
             return run_dir
-        tcfg = cfg.model_copy(deep=True)
-        tcfg.drafter.num_layers = plan.drafter_layers
-        tcfg.drafter.target_layer_ids = layer_ids
-        tcfg.data.features = str(feats)
-        tcfg.train.output_dir = str(run_dir)
-        tcfg.train.time_budget_s = plan.train_minutes * 60
-        # On a CPU the LM head's cross-entropy over 49k tokens dominates: few anchors per step.
-        tcfg.train.batch_size, tcfg.train.micro_batch_size = (4, 4) if cpu else (16, 16)
-        tcfg.train.anchors_per_seq = 16 if cpu else 512
-        tcfg.train.eval_every, tcfg.train.eval_samples = (25, 4) if cpu else (100, 64)
-        tcfg.train.save_every = 10**6
-        tcfg.train.tensorboard = False
         # overwrite: an interrupted earlier demo run left no final drafter; it restarts from scratch.
-        return train(tcfg, target=target, samples=FeatureCache(feats, dtype=target.dtype), feature_layer_ids=layer_ids,
-                     overwrite=True)
+        return train(tcfg, target=target, samples=cache, feature_layer_ids=layer_ids, overwrite=True)
 
-    stages.run("train", train_scratch)
-
-    # best by tau_sim when held-out samples were evaluated, else the last step
-    drafter_dirs = {"trained-here": run_dir / ("best" if (run_dir / "best").is_dir() else "final")}
-    if not args.no_bundled:
-        drafter_dirs["bundled"] = bundled_drafter_dir()
+    stages.run("adapt", adapt)
+    # best by tau_sim on the held-out split (the starting drafter is not a candidate: after a step)
+    adapted_dir = run_dir / ("best" if (run_dir / "best").is_dir() else "final")
+    drafter_dirs = {"adapted": adapted_dir, "bundled": bundled_drafter_dir()}
     for name, src in drafter_dirs.items():  # the drafters, in reference format, beside the report
         dst = out / "drafters" / name
         if not (dst / "model.safetensors").is_file():
             save_drafter(load_drafter(src, target), dst)
+    drafters = {n: load_drafter(out / "drafters" / n, target, device=target.device, dtype=target.dtype)
+                for n in drafter_dirs}
+    after = stages.run("held-out τ after", lambda: evaluate_offline({"adapted (after)": drafters["adapted"]}, target,
+                                                                     held, **methods))
+    heldout = {**before, "drafters": {**before["drafters"], **after["drafters"]}}
 
     report_dir = out / "report"
-    settings = {"prompts": plan.eval_prompts, "max_new_tokens": plan.eval_tokens, "budgets": plan.budgets,
-                "drafters": sorted(drafter_dirs), "device": device}
+    settings = {"suite_prompts": plan.suite_prompts, "budgets": plan.budgets, "drafters": sorted(drafter_dirs),
+                "device": device, "adapted": str(adapted_dir)}
 
     def evaluate() -> dict[str, Any]:
         done = report_dir / "report.json"
@@ -181,20 +193,19 @@ def run(args: argparse.Namespace) -> int:
             if old.get("demo_settings") == settings:
                 log.info("reusing the evaluation of an earlier run: %s", done)
                 return old
-        drafters = {n: load_drafter(out / "drafters" / n, target, device=target.device, dtype=target.dtype)
-                    for n in drafter_dirs}
-        prompts = eval_prompts(load_prompts("humaneval", limit=plan.eval_prompts), target.tokenizer)
         stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
-        rep = evaluate_online(target, drafters, prompts, budgets=plan.budgets, max_new_tokens=plan.eval_tokens,
-                              stop_ids=stops)
-        rep.update(demo_settings=settings, target=target.name, device=device,
-                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        suites = [(s, eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
+        rep = evaluate_suites(target, drafters, suites, stop_ids=stops, **methods)
+        rep.update(demo_settings=settings, target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M:%S"))
         return rep
 
-    report = stages.run("evaluate", evaluate)
+    report = stages.run("evaluate suites", evaluate)
+    report["heldout"] = heldout
+    report.update(training_tau_sim({"adapted": adapted_dir}))
     stages.run("report", lambda: write_report(report, report_dir))
     if (run_dir / "curves.png").is_file():
         shutil.copyfile(run_dir / "curves.png", report_dir / "training_curves.png")
     print(markdown(report))
     print(f"report: {report_dir / 'report.md'} (plots beside it); drafters: {out / 'drafters'}; logs: {out / 'logs'}")
+    check_partings(report)
     return 0

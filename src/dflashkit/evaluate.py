@@ -12,6 +12,16 @@ over the answer: a round at p commits τ(p) tokens and the next one starts at p 
 data is the target's own greedy output (`regenerate` with temperature 0), these rounds are
 exactly the rounds of online greedy decoding, so offline τ equals online τ.
 
+Suites (default online): the held-out suites of `data.prompts.EVAL_SUITES` (code, math, chat,
+multi-turn...), each with its own prompt count and answer length, evaluated one after the other
+and reported side by side; the headline is the mean over suites, beside the worst suite.
+
+Partings (greedy, online): where a speculative output parts from the autoregressive one, the
+target's logits at that position are recomputed in the two shapes of pass that produced the two
+tokens (a one-token step and a multi-token verification block) and classified by
+`classify_parting`: numerical when both tokens lie within a few units of rounding of the top logit
+in both passes, otherwise unexplained, which fails the evaluation.
+
 τ of a round = accepted draft tokens + 1; the final round of an answer counts only the tokens up
 to its end (stop token or length limit), online and offline alike. Reports: τ mean, histogram,
 per-slot acceptance P(τ > k), rounds, tokens/s and speed-up; JSON + Markdown + PNG plots.
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +42,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.decode.loop import make_engine
 from dflashkit.decode.generation import Sampling
-from dflashkit.decode.loop import generate
+from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import Tree, build_tree, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.target import Target
@@ -170,6 +180,14 @@ def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: It
     return report
 
 
+def heldout_items(cache: Any, eval_samples: int, seed: int) -> list[FeatureItem]:
+    """The samples of `cache` that `train` holds out for tau_sim with these settings (same split,
+    suite by suite when the ids carry suite labels)."""
+    from dflashkit.train import sample_ids, split_eval
+
+    return [cache[i] for i in split_eval(len(cache), eval_samples, seed, sample_ids(cache))[1]]
+
+
 def _weight_file(src: str, tensor: str) -> Path:
     """The safetensors file holding `tensor`: a local directory, or (online) a hub repository."""
     local = Path(src).expanduser()
@@ -242,6 +260,92 @@ def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -
     return out
 
 
+# A parting counts as numerical when both tokens are within this many units in the last place (of
+# the evaluation dtype, at the logit's magnitude) of the top logit, in both passes. The two passes
+# round hidden states differently through every layer, so their logits may sit a few final-
+# rounding steps apart; a real decoding error puts the speculative token far below the top.
+NUMERICAL_ULPS = 4
+
+
+def rounding_bound(magnitude: float, dtype: torch.dtype, ulps: int = NUMERICAL_ULPS) -> float:
+    """`ulps` spacings of `dtype` at `magnitude` (bf16: 2**(e - 7) for |x| in [2**e, 2**(e+1)))."""
+    fi = torch.finfo(dtype)
+    return ulps * fi.eps * 2.0 ** math.floor(math.log2(max(abs(magnitude), fi.tiny)))
+
+
+def classify_parting(ar_logits: Tensor, verify_logits: Tensor, ar_token: int, spec_token: int,
+                     dtype: torch.dtype, ulps: int = NUMERICAL_ULPS) -> dict[str, Any]:
+    """Where greedy outputs part: AR chose `ar_token`, the speculative method `spec_token`.
+    Per pass ([V] logits at the parting position): the top-2 margin and how far each of the two
+    tokens lies below the top logit. Numerical iff both gaps are within `rounding_bound` in both."""
+    passes, magnitude = {}, 0.0
+    for name, lg in (("ar", ar_logits), ("verify", verify_logits)):
+        lg = lg.float()
+        top = lg.topk(2).values.tolist()
+        passes[name] = {"top2_margin": top[0] - top[1], "ar_token_gap": top[0] - float(lg[ar_token]),
+                        "spec_token_gap": top[0] - float(lg[spec_token])}
+        magnitude = max(magnitude, abs(top[0]))
+    bound = rounding_bound(magnitude, dtype, ulps)
+    numerical = ar_token != spec_token and all(
+        max(p["ar_token_gap"], p["spec_token_gap"]) <= bound for p in passes.values())
+    return {"ar_token": ar_token, "spec_token": spec_token, "bound": bound, "ulps": ulps,
+            "dtype": str(dtype).removeprefix("torch."), "passes": passes, "numerical": numerical}
+
+
+@torch.no_grad()
+def _logits_at(target: Target, ids: Tensor, split: int, at: int) -> Tensor:
+    """[V] logits at position `at` of `ids` [1, T]: ids[:split] prefilled into a cache, then
+    ids[split:] in one pass (one token: an autoregressive step; several: a verification block)."""
+    cache = target.new_cache()
+    if split:
+        target.forward(ids[:, :split], [0], cache=cache, logits=False)
+    return target.forward(ids[:, split:], [0], cache=cache).logits[0, at - split]
+
+
+def parting_logits(target: Target, prompt: Tensor, g: Any, k: int, width: int) -> tuple[Tensor, Tensor]:
+    """(AR-step logits, verification-block logits) at output position k, recomputed with the target
+    alone, so that the decoding code needs no instrumentation. Before k both outputs are the same
+    tokens. The AR pass is a one-token step over a cache of everything before it. The verification
+    pass feeds the block of the round of `g` that committed position k (its bonus token and what
+    follows, `width` tokens: B for DFlash, budget + 1 for DDTree, whose tree is replayed as the
+    committed chain) over a cache of the prefix before the block; positions after k do not reach
+    k's logits except through the shape of the pass, which is what makes the two passes round
+    differently."""
+    P = prompt.shape[1]
+    start = 1  # output position 0 comes from the prefill; round i commits accept_lengths[i] from `start`
+    for tau in g.accept_lengths:
+        if k < start + tau:
+            break
+        start += tau
+
+    def ids(n: int) -> Tensor:
+        return torch.cat([prompt[0].cpu(), torch.tensor(g.tokens[:n], dtype=torch.long)])[None].to(target.device)
+
+    at = P + k - 1  # the logits that predict output position k
+    if k == 0:  # both methods took it from the same prefill
+        lg = _logits_at(target, ids(0), 0, at)
+        return lg, lg
+    return _logits_at(target, ids(k), at, at), _logits_at(target, ids(start - 1 + width), P + start - 1, at)
+
+
+def unexplained_partings(report: dict[str, Any]) -> list[str]:
+    """'suite/prompt drafter/method at position k' for every parting not classified numerical."""
+    out = []
+    for row in report.get("per_prompt", []):
+        for key, p in row.get("partings", {}).items():
+            if not p["numerical"]:
+                out.append(f"{row.get('suite', '') and row['suite'] + '/'}{row['id']} {key} at output position {p['position']}")
+    return out
+
+
+def check_partings(report: dict[str, Any]) -> None:
+    """Raise when a greedy output parted from autoregressive decoding other than at a near-tie."""
+    bad = unexplained_partings(report)
+    if bad:
+        raise RuntimeError(f"{len(bad)} greedy output(s) part from autoregressive decoding where the target's top "
+                           f"logits are not tied within rounding (not a numerical effect): " + "; ".join(bad[:10]))
+
+
 @torch.no_grad()
 def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
@@ -254,7 +358,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
     base_engine = make_engine(target, None, engine)
     engines = {n: make_engine(target, d, engine) for n, d in drafters.items()}
     base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
-    runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": []}
+    runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": [], "unexplained": []}
                 for lab, _, _ in labels} for n in drafters}
     if target.device.type == "cuda" and prompts:
         # CUDA graphs are captured and kernels compiled on first use: one untimed pass per
@@ -283,10 +387,17 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                 r["decode_seconds"] += g.decode_seconds
                 if greedy and g.tokens != ar.tokens:
                     r["mismatches"].append(pr.id)
-                    # where the outputs part: late and isolated in bf16 means a near-tie rounded
-                    # differently by a wider verification pass, not a decoding bug
-                    row.setdefault("first_difference", {})[f"{name}/{lab}"] = next(
-                        (k for k, (a, b) in enumerate(zip(g.tokens, ar.tokens)) if a != b), min(len(g.tokens), len(ar.tokens)))
+                    k = next((k for k, (a, b) in enumerate(zip(g.tokens, ar.tokens)) if a != b), None)
+                    if k is None:  # one output a prefix of the other: no token choice to explain
+                        parting = {"numerical": False, "reason": "one output is a prefix of the other"}
+                        k = min(len(g.tokens), len(ar.tokens))
+                    else:
+                        width = drafters[name].config.block_size if method == "dflash" else budget + 1
+                        parting = classify_parting(*parting_logits(target, pr.ids, g, k, width), ar.tokens[k],
+                                                   g.tokens[k], target.dtype)
+                    row.setdefault("partings", {})[f"{name}/{lab}"] = {"position": k, **parting}
+                    if not parting["numerical"]:
+                        r["unexplained"].append(pr.id)
                 row["tau"][f"{name}/{lab}"] = round(g.tau, 3)
         per_prompt.append(row)
     report: dict[str, Any] = {
@@ -298,16 +409,101 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         out = {}
         for lab, r in runs[name].items():
             out[lab] = {**summarize(r["taus"], B), "tokens": r["tokens"], "seconds": r["seconds"],
+                        "decode_seconds": r["decode_seconds"],
                         "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9),
                         "speedup": (r["tokens"] / max(r["seconds"], 1e-9)) / report["baseline"]["tokens_per_s"],
                         "decode_speedup": (r["tokens"] / max(r["decode_seconds"], 1e-9)) / (base["tokens"] / max(base["decode_seconds"], 1e-9)),
                         "identical": (not r["mismatches"]) if greedy else None, "mismatches": r["mismatches"],
+                        "unexplained_partings": r["unexplained"],
                         "identical_prompts": len(prompts) - len(r["mismatches"]) if greedy else None}
         report["drafters"][name] = {"block_size": B, "methods": out}
     return report
 
 
+def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Online reports of disjoint prompt sets -> one report over all of their prompts (sums of
+    tokens, seconds and rounds; τ, histogram and slot acceptance weighted by rounds)."""
+    first = parts[0]
+    base = {k: sum(p["baseline"][k] for p in parts) for k in ("tokens", "seconds", "decode_seconds")}
+    base["tokens_per_s"] = base["tokens"] / max(base["seconds"], 1e-9)
+    drafters: dict[str, Any] = {}
+    for name, d in first["drafters"].items():
+        methods = {}
+        for lab in d["methods"]:
+            ms = [p["drafters"][name]["methods"][lab] for p in parts]
+            rounds = sum(m["rounds"] for m in ms)
+            tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
+
+            def weighted(key: str) -> float:
+                return sum(m[key] * m["rounds"] for m in ms) / max(rounds, 1)
+
+            decode_s = sum(m["decode_seconds"] for m in ms)
+            methods[lab] = {
+                "tau": weighted("tau"), "rounds": rounds, "hist": [sum(h) for h in zip(*(m["hist"] for m in ms))],
+                "slot_acceptance": [sum(m["slot_acceptance"][i] * m["rounds"] for m in ms) / max(rounds, 1)
+                                    for i in range(len(ms[0]["slot_acceptance"]))],
+                "tokens": tokens, "seconds": seconds, "decode_seconds": decode_s, "tokens_per_s": tokens / max(seconds, 1e-9),
+                "speedup": tokens / max(seconds, 1e-9) / base["tokens_per_s"],
+                "decode_speedup": tokens / max(decode_s, 1e-9) / (base["tokens"] / max(base["decode_seconds"], 1e-9)),
+                "identical": None if ms[0]["identical"] is None else all(m["identical"] for m in ms),
+                "mismatches": [x for m in ms for x in m["mismatches"]],
+                "unexplained_partings": [x for m in ms for x in m["unexplained_partings"]],
+                "identical_prompts": None if ms[0]["identical"] is None else sum(m["identical_prompts"] for m in ms)}
+        drafters[name] = {"block_size": d["block_size"], "methods": methods}
+    return {"mode": "online", "prompts": sum(p["prompts"] for p in parts), "greedy": first["greedy"],
+            "dtype": first["dtype"], "baseline": base, "drafters": drafters,
+            "per_prompt": [row for p in parts for row in p["per_prompt"]]}
+
+
+def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: Sequence[tuple[Any, Sequence[Prompt]]],
+                    **kw: Any) -> dict[str, Any]:
+    """`evaluate_online` per suite ((Suite, prompts) pairs: each with its own answer length), then
+    the suites side by side: per drafter and method the τ and speed-up of each suite, their mean
+    (the headline: every suite weighs the same, whatever its prompt count) and the worst suite.
+    The pooled report over all prompts keeps the single-set fields (histograms, plots)."""
+    parts, table = [], {}
+    for suite, prompts in suites:
+        rep = evaluate_online(target, drafters, prompts, max_new_tokens=suite.max_new_tokens, **kw)
+        for row in rep["per_prompt"]:
+            row["suite"] = suite.name
+        parts.append(rep)
+        table[suite.name] = {"prompts": rep["prompts"], "max_new_tokens": suite.max_new_tokens,
+                             "baseline_tokens_per_s": rep["baseline"]["tokens_per_s"],
+                             "drafters": {n: {lab: {k: m[k] for k in ("tau", "rounds", "speedup", "identical", "mismatches")}
+                                              for lab, m in d["methods"].items()} for n, d in rep["drafters"].items()}}
+    report = pool_reports(parts)
+    headline: dict[str, Any] = {}
+    for name, d in report["drafters"].items():
+        headline[name] = {}
+        for lab in d["methods"]:
+            per = {s: t["drafters"][name][lab] for s, t in table.items()}
+            worst = min(per, key=lambda s: per[s]["tau"])
+            headline[name][lab] = {"mean_tau": sum(m["tau"] for m in per.values()) / len(per),
+                                   "mean_speedup": sum(m["speedup"] for m in per.values()) / len(per),
+                                   "worst_suite": worst, "worst_tau": per[worst]["tau"]}
+    report.update(suites=table, headline=headline)
+    return report
+
+
 # ---- reports ---------------------------------------------------------------------------------------
+
+
+def method_table(report: dict[str, Any]) -> list[str]:
+    """One row per drafter and method: the online or offline columns."""
+    online = report["mode"] == "online"
+    if online:
+        lines = ["| drafter | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    else:
+        lines = ["| drafter | method | τ (rounds) | rounds | τ (every position) |", "| --- | --- | ---: | ---: | ---: |"]
+    for name, d in report["drafters"].items():
+        for lab, m in d["methods"].items():
+            if online:
+                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
+                             f"{m['speedup']:.2f}x | {m['decode_speedup']:.2f}x | {_identical(m)} |")
+            else:
+                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -316,28 +512,71 @@ def markdown(report: dict[str, Any]) -> str:
     for k in ("date", "target", "device", "settings"):
         if k in report:
             lines.append(f"- {k}: `{json.dumps(report[k]) if isinstance(report[k], dict) else report[k]}`")
+    if "heldout" in report:
+        h = report["heldout"]
+        lines += ["", f"## Held-out split of the training domain ({h['samples']} samples, {h['answer_tokens']} answer "
+                  "tokens, decoding rounds replayed offline)", "", *method_table(h)]
+    if "suites" in report:
+        lines += ["", "## Evaluation suites", "", *suite_table(report), "", "Over all prompts of the suites together:", ""]
     if online:
         b = report["baseline"]
-        lines += [f"- prompts: {report['prompts']}; autoregressive baseline: {b['tokens']} tokens, {b['tokens_per_s']:.2f} tokens/s", "",
-                  "| drafter | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines.append(f"- prompts: {report['prompts']}; autoregressive baseline: {b['tokens']} tokens, {b['tokens_per_s']:.2f} tokens/s")
     else:
-        lines += [f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}", "",
-                  "| drafter | method | τ (rounds) | rounds | τ (every position) |", "| --- | --- | ---: | ---: | ---: |"]
-    for name, d in report["drafters"].items():
-        for lab, m in d["methods"].items():
-            if online:
-                same = "n/a (sampled)" if m["identical"] is None else ("yes" if m["identical"] else f"NO: {', '.join(m['mismatches'])}")
-                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
-                             f"{m['speedup']:.2f}x | {m['decode_speedup']:.2f}x | {same} |")
-            else:
-                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
+        lines.append(f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}")
+    lines += ["", *method_table(report)]
     lines += ["", "τ = accepted draft tokens + 1 per round (the final round of an answer counts tokens up to its end). "
               "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png."]
-    if online and report["greedy"] and report.get("dtype") in ("bfloat16", "float16"):
-        lines += ["", f"In {report['dtype']} a verification pass over many tokens and a one-token step round "
-                  "differently, so greedy outputs can part at near-ties of the target's top logits (exact in float32)."]
+    if online and report["greedy"]:
+        lines += ["", f"Greedy outputs are compared with autoregressive decoding token by token. Where one parts, the "
+                  f"target's logits at that position are recomputed as a one-token step and as a verification block: "
+                  f"the parting is numerical when both tokens are within {NUMERICAL_ULPS} units of {report.get('dtype')} "
+                  "rounding of the top logit in both passes (report.json: per_prompt[].partings); any other parting "
+                  "fails the evaluation."]
     return "\n".join(lines) + "\n"
+
+
+def _identical(m: dict[str, Any]) -> str:
+    if m["identical"] is None:
+        return "n/a (sampled)"
+    if m["identical"]:
+        return "yes"
+    bad = m.get("unexplained_partings", [])
+    numerical = len(m["mismatches"]) - len(bad)
+    return (f"NO, unexplained: {', '.join(bad)}" if bad else "") or f"{numerical} parting(s), all numerical near-ties"
+
+
+def training_tau_sim(paths: dict[str, Path]) -> dict[str, Any]:
+    """{'tau_sim': {drafter: {suite: tau_sim}}} for drafters that are a training run's `best/`
+    whose held-out split had suite labels (best.json: tau_sim_by_suite); {} when none has."""
+    found = {}
+    for name, path in paths.items():
+        best = Path(path).parent / "best.json"
+        if Path(path).name == "best" and best.is_file():
+            by_suite = json.loads(best.read_text()).get("tau_sim_by_suite")
+            if by_suite:
+                found[name] = by_suite
+    return {"tau_sim": found} if found else {}
+
+
+def suite_table(report: dict[str, Any]) -> list[str]:
+    """The suites side by side: τ (speed-up) per suite, the mean over suites and the worst suite;
+    τ_sim per suite beside it when the report carries one (`tau_sim`: {drafter: {suite: value}})."""
+    names = list(report["suites"])
+    head = "| drafter | method | " + " | ".join(f"{s} ({report['suites'][s]['prompts']}×{report['suites'][s]['max_new_tokens']})"
+                                                for s in names) + " | **mean** | worst |"
+    lines = [head, "| --- | --- | " + "---: | " * (len(names) + 1) + "--- |"]
+    for name, methods in report["headline"].items():
+        for lab, h in methods.items():
+            cells = [f"{report['suites'][s]['drafters'][name][lab]['tau']:.2f} ({report['suites'][s]['drafters'][name][lab]['speedup']:.2f}x)"
+                     for s in names]
+            lines.append(f"| {name} | {lab} | " + " | ".join(cells) +
+                         f" | **{h['mean_tau']:.2f} ({h['mean_speedup']:.2f}x)** | {h['worst_suite']} {h['worst_tau']:.2f} |")
+    for name, sims in report.get("tau_sim", {}).items():
+        lines.append(f"| {name} | τ_sim (held-out, training) | " + " | ".join(
+            f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | |")
+    lines += ["", "Cells: τ (speed-up over autoregressive decoding of the same suite); column heads: prompts × answer "
+              "tokens. The mean weighs every suite the same."]
+    return lines
 
 
 def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -392,7 +631,7 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 # ---- CLI -----------------------------------------------------------------------------------------
 
-ONLINE_ONLY = ("prompts", "max_new_tokens", "temperature", "top_p", "seed", "engine")
+ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "seed", "engine")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -405,10 +644,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="dflash,ddtree", help="comma list of dflash, ddtree (default both)")
     p.add_argument("--budgets", default=None, help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
     p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k)")
-    p.add_argument("--limit", type=int, default=None, help="prompts (online) or samples (offline) to evaluate")
+    p.add_argument("--limit", type=int, default=None, help="prompts per suite or of --prompts (online), or samples (offline)")
+    p.add_argument("--heldout", action="store_true", help="offline mode: only the held-out split that `train` "
+                   "measures tau_sim on (train.eval_samples, train.seed): a before/after report for fine-tuning")
     g = p.add_argument_group("online mode only")
-    g.add_argument("--prompts", default=None, help="humaneval, builtin, a JSONL/JSON/Parquet file or a datasets name (default eval.prompts)")
-    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--suites", default=None, help="comma list of evaluation suites (default eval.suites: "
+                   "humaneval,code,math,chat,multiturn), each with its own prompt count and answer length")
+    g.add_argument("--prompts", default=None, help="one prompt set instead of the suites: humaneval, builtin, a "
+                   "JSONL/JSON/Parquet file or a datasets name (default eval.prompts)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="answer length with --prompts (suites have theirs)")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (outputs checked against autoregressive)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
@@ -449,6 +693,8 @@ def run(args: argparse.Namespace) -> int:
     ec = cfg.eval
     offline = args.features is not None
     given = [f"--{k.replace('_', '-')}" for k in ONLINE_ONLY if getattr(args, k) is not None]
+    if args.heldout and not offline:
+        raise ValueError("--heldout selects samples of a feature cache: it needs --features DIR")
     if offline and given:
         log.warning("offline evaluation replays the cached data greedily; ignoring %s", ", ".join(given))
     paths = parse_drafters(args.drafter)
@@ -478,10 +724,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--drafter {path}: target_layer_ids {d.config.target_layer_ids} differ from the feature "
                                  f"cache's layers {cache.layer_ids} ({args.features}); extract features for this drafter")
             drafters[name] = d
-        report = evaluate_offline(drafters, head, cache, methods=methods, budgets=budgets, top_k=top_k, limit=args.limit)
+        items = heldout_items(cache, cfg.train.eval_samples, cfg.train.seed) if args.heldout else cache
+        report = evaluate_offline(drafters, head, items, methods=methods, budgets=budgets, top_k=top_k, limit=args.limit)
         report["features"] = str(args.features)
     else:
-        from dflashkit.data.prompts import load_prompts
+        from dflashkit.data.prompts import get_suite, load_prompts, load_suite
         from dflashkit.target import load_target
         from dflashkit.vocab import stop_token_ids
 
@@ -489,20 +736,31 @@ def run(args: argparse.Namespace) -> int:
         max_new = _pick(args.max_new_tokens, ec.max_new_tokens)
         if max_new < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
-        convs = load_prompts(_pick(args.prompts, ec.prompts), limit=_pick(args.limit, ec.limit))
+        limit, source = _pick(args.limit, ec.limit), _pick(args.prompts, ec.prompts)
+        suites = [get_suite(n.strip()) for n in args.suites.split(",") if n.strip()] if args.suites else \
+            [get_suite(n) for n in ec.suites]
+        if source is None and not suites:
+            raise ValueError("--suites: expected at least one suite name")
+        convs = load_prompts(source, limit=limit) if source is not None else None
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
         drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
-        prompts = eval_prompts(convs, target.tokenizer, thinking=cfg.data.thinking)
-        stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
-        report = evaluate_online(target, drafters, prompts, methods=methods, budgets=budgets, top_k=top_k,
-                                 max_new_tokens=max_new, sampling=sampling, stop_ids=stops,
-                                 engine=_pick(args.engine, "auto"))
-        settings.update(prompts=_pick(args.prompts, ec.prompts), max_new_tokens=max_new, temperature=sampling.temperature,
-                        top_p=sampling.top_p, seed=sampling.seed)
+        kw = dict(methods=methods, budgets=budgets, top_k=top_k, sampling=sampling, engine=_pick(args.engine, "auto"),
+                  stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
+        if convs is not None:
+            prompts = eval_prompts(convs, target.tokenizer, thinking=cfg.data.thinking)
+            report = evaluate_online(target, drafters, prompts, max_new_tokens=max_new, **kw)
+            settings.update(prompts=source, max_new_tokens=max_new)
+        else:
+            report = evaluate_suites(target, drafters, [
+                (s, eval_prompts(load_suite(s.name, limit), target.tokenizer, thinking=cfg.data.thinking)) for s in suites], **kw)
+            settings.update(suites=[s.name for s in suites], limit=limit)
+        settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+    report.update(training_tau_sim(paths))
     report.update(date=time.strftime("%Y-%m-%d %H:%M"), target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
                   device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
                   drafter_paths={n: str(p) for n, p in paths.items()})
     files = write_report(report, args.out)
     print(markdown(report))
     print("wrote " + ", ".join(str(f) for f in files))
+    check_partings(report)  # after the report is written: it holds every parting's margins
     return 0

@@ -30,10 +30,12 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -116,13 +118,41 @@ def load_training_data(data_cfg, target: Any, dtype: torch.dtype) -> tuple[Seque
                      "or data.features=DIR (offline cache from `dflashkit extract`)")
 
 
-def split_eval(n: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train indices, held-out indices): at most a fifth of the data is held out."""
+def sample_group(sample_id: str) -> str:
+    """The suite label carried by a sample id: the id without its trailing number
+    ('builtin-math-00017' -> 'builtin-math', 'HumanEval/3' -> 'HumanEval')."""
+    return re.sub(r"[-_:/]?\d+$", "", sample_id) or sample_id
+
+
+def split_eval(n: int, eval_samples: int, seed: int, ids: Sequence[str] | None = None) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices): at most a fifth of the data is held out. When the ids
+    carry suite labels (2 to `n_eval` distinct `sample_group`s), the held-out samples are drawn
+    from every suite in turn, as evaluation reports them suite by suite."""
     n_eval = min(eval_samples, n // 5)
     perm = torch.randperm(n, generator=_generator(seed, "split")).tolist()
+    groups = None if ids is None else [sample_group(i) for i in ids]
+    if groups is not None and 2 <= len(set(groups)) <= n_eval:
+        by_group: dict[str, list[int]] = {}
+        for i in perm:
+            by_group.setdefault(groups[i], []).append(i)
+        # round-robin over the suites (in order of first appearance in the permutation)
+        perm = [i for rank in zip_longest(*by_group.values()) for i in rank if i is not None]
     held = sorted(perm[:n_eval])
     held_set = set(held)
     return [i for i in range(n) if i not in held_set], held
+
+
+def sample_ids(samples: Sequence[Any]) -> list[str]:
+    """Every sample's id; a feature cache lists them without reading features."""
+    return list(samples.ids) if hasattr(samples, "ids") else [s.id for s in samples]
+
+
+def held_out_groups(ids: Sequence[str], eval_idx: list[int]) -> dict[str, list[int]]:
+    """Held-out indices by suite label, when there are several suites; else {}."""
+    out: dict[str, list[int]] = {}
+    for i in eval_idx:
+        out.setdefault(sample_group(ids[i]), []).append(i)
+    return out if len(out) > 1 else {}
 
 
 class Batcher:
@@ -729,7 +759,9 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     dcfg = drafter.config
     check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
 
-    train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed)
+    ids = sample_ids(samples)
+    train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
+    eval_groups = held_out_groups(ids, eval_idx)
     total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
     if tc.time_budget_s and not tc.max_steps:
         total = BUDGET_PROVISIONAL_STEPS  # re-fitted to the budget from the first timed step on
@@ -812,6 +844,10 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
                          ev["loss"], ev["slot_acc"])
             if ev["tau_sim"] > best["tau_sim"]:
                 best = {"tau_sim": ev["tau_sim"], "step": done}
+                if eval_groups:  # per suite, for comparison with online τ suite by suite
+                    best["tau_sim_by_suite"] = {g: trainer.evaluate(
+                        (batcher.build(items, noise=False), counted) for items, counted in eval_items(idx, tc.micro_batch_size, d))["tau_sim"]
+                        for g, idx in eval_groups.items()}
                 params = trainer.full_params()
                 check_finite(done, {}, params)
                 if d.main:

