@@ -350,11 +350,15 @@ def check_partings(report: dict[str, Any]) -> None:
 def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
                     top_k: int = 4, max_new_tokens: int = 128, sampling: Sampling | None = None,
-                    stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto") -> dict[str, Any]:
-    """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind."""
+                    stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
+                    cost_aware: bool = False) -> dict[str, Any]:
+    """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind.
+    cost_aware: each speculative method also runs cost-aware (label suffix '+cost')."""
     sampling = sampling or Sampling()
     greedy = sampling.temperature == 0
     labels = method_labels(methods, budgets)
+    if cost_aware:
+        labels += [(f"{lab}+cost", method, budget) for lab, method, budget in labels]
     base_engine = make_engine(target, None, engine)
     engines = {n: make_engine(target, d, engine) for n, d in drafters.items()}
     base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
@@ -366,8 +370,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         kw = dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=sampling, stop_ids=stop_ids)
         generate(base_engine, prompts[0].ids, method="ar", **kw)
         for eng in engines.values():
-            for _, method, budget in labels:
-                generate(eng, prompts[0].ids, method=method, budget=budget, **kw)
+            for lab, method, budget in labels:
+                generate(eng, prompts[0].ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"), **kw)
     per_prompt = []
     for i, pr in enumerate(tqdm(prompts, desc="online eval", unit="prompt", disable=None)):
         samp = Sampling(sampling.temperature, sampling.top_p, None if sampling.seed is None else sampling.seed + i)
@@ -379,7 +383,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         row = {"id": pr.id, "prompt_tokens": pr.ids.shape[1], "ar_tokens": len(ar.tokens), "tau": {}}
         for name, eng in engines.items():
             for lab, method, budget in labels:
-                g = generate(eng, pr.ids, method=method, budget=budget, **kw)
+                g = generate(eng, pr.ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"), **kw)
                 r = runs[name][lab]
                 r["taus"] += g.accept_lengths
                 r["tokens"] += len(g.tokens)
@@ -657,6 +661,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
+    g.add_argument("--cost-aware", action="store_true", help="also run every method cost-aware ('+cost' rows): "
+                   "the draft prefix verified each round is chosen from the measured verification cost")
     add_config_options(p)
 
 
@@ -745,6 +751,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
         drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
         kw = dict(methods=methods, budgets=budgets, top_k=top_k, sampling=sampling, engine=_pick(args.engine, "auto"),
+                  cost_aware=args.cost_aware,
                   stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
         if convs is not None:
             prompts = eval_prompts(convs, target.tokenizer, thinking=cfg.data.thinking)
