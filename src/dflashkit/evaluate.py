@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import Tree, build_tree, walk
@@ -296,10 +297,14 @@ def classify_parting(ar_logits: Tensor, verify_logits: Tensor, ar_token: int, sp
 def _logits_at(target: Target, ids: Tensor, split: int, at: int) -> Tensor:
     """[V] logits at position `at` of `ids` [1, T]: ids[:split] prefilled into a cache, then
     ids[split:] in one pass (one token: an autoregressive step; several: a verification block)."""
-    cache = target.new_cache()
-    if split:
-        target.forward(ids[:, :split], [0], cache=cache, logits=False)
-    return target.forward(ids[:, split:], [0], cache=cache).logits[0, at - split]
+    engine = Engine(target)  # the Transformers runner over dflashkit's cache
+    if not split:  # the whole sequence in one prefill, whose logits are those of its last position
+        if at != ids.shape[1] - 1:
+            raise ValueError(f"a prefill gives the logits of its last position ({ids.shape[1] - 1}), not of {at}")
+        return engine.prefill([ids[0]], capacity=ids.shape[1])[0]
+    engine.prefill([ids[0, :split]], capacity=ids.shape[1])
+    rest = ids[:, split:]
+    return engine.verify(rest, torch.arange(rest.shape[1], device=rest.device)[None])[0, at - split]
 
 
 def parting_logits(target: Target, prompt: Tensor, g: Any, k: int, width: int) -> tuple[Tensor, Tensor]:
