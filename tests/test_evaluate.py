@@ -1,5 +1,5 @@
 """Evaluation: offline τ from cached features equals online greedy τ; the CLI validates per mode
-(SPEC §3 mistakes 5 and 8); reports are written."""
+(docs/conventions.md, mistakes 5 and 8); reports are written."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""`dflashkit eval`: acceptance length and speed of drafters, online or offline (SPEC §2, §3).
+"""`dflashkit eval`: acceptance length and speed of drafters, online or offline (docs/conventions.md).
 
 Online (default): the target verifies for real. For each prompt, plain autoregressive decoding
 (same engine, same caches) and then every drafter with DFlash and DDTree at each node budget;
 greedy outputs must be token-identical to the autoregressive ones (checked and reported).
 
-Offline (`--features DIR`): no target layers at all (SPEC §3, mistake 8: only the embedding and
+Offline (`--features DIR`): no target layers at all (docs/conventions.md, mistake 8: only the embedding and
 LM head are read from disk). For every answer position p of a cached sample the drafter sees the
 cached features of positions < p and the bonus token p, and we count the leading draft tokens
 (DDTree: the deepest tree path) that equal the data's tokens. Decoding rounds are then replayed
@@ -215,7 +215,7 @@ def _weight_file(src: str, tensor: str) -> Path:
 def load_target_head(name_or_path: str | None = None, *, gguf_file: str | None = None, dtype: str = "auto",
                      device: str = "cpu") -> Target:
     """The target with only its embedding, LM head and final norm read from disk; every decoder
-    layer stays on the meta device and cannot run (offline evaluation, SPEC §3 mistake 8)."""
+    layer stays on the meta device and cannot run (offline evaluation, docs/conventions.md, mistake 8)."""
     from safetensors import safe_open
 
     from dflashkit.target import load_target
