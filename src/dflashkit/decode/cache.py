@@ -82,6 +82,11 @@ class KVCache:
         self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
         self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
 
+    def span(self, n: int, bucket: int = 1) -> int:
+        """Slots a pass attends over to see the first n: n rounded up to a multiple of `bucket`
+        (fewer distinct shapes for CUDA graphs), within the capacity."""
+        return min(-(-n // bucket) * bucket, self.capacity)
+
     def view(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
         """Keys and values of slots [0, n) of one layer: [b, kv_heads, n, head_dim] views."""
         return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
@@ -90,7 +95,7 @@ class KVCache:
         """Row i keeps its verified nodes `keep[i]` (indices into what was written at slots
         lengths[i]..., root first; empty: the row commits nothing) and commits them."""
         counts = [len(p) for p in keep]
-        if any(list(p) != list(range(len(p))) for p in keep):  # a tree path: move the kept nodes together
+        if not all(is_chain(p) for p in keep):  # a tree path: move the kept nodes together
             q = max(counts)
             dev = self.k.device
             src = torch.tensor([list(p) + list(range(len(p), q)) for p in keep], device=dev)  # [b, q]
@@ -117,6 +122,11 @@ class KVCache:
             k, v = self.k[:, idx, :, :n], self.v[:, idx, :, :n]  # gathered copies: sources and destinations overlap
             self._view(len(rows))
             self.k[:, :, :, :n], self.v[:, :, :, :n] = k, v
+
+
+def is_chain(path: Sequence[int]) -> bool:
+    """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""
+    return list(path) == list(range(len(path)))
 
 
 def _aligned(slots: int) -> int:

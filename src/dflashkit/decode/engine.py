@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from dflashkit.decode.cache import KVCache
+from dflashkit.decode.cache import KVCache, is_chain
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
@@ -174,7 +174,7 @@ class Engine:
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
             step = self.draft_step if dc.k is not None else step  # buffers are allocated outside any graph
         dc.reserve(max(max(self.lengths), max(dc.lengths) + feats.shape[1]) + B)
-        n = min(-(-(max(self.lengths) + B) // self.slot_bucket) * self.slot_bucket, dc.capacity)
+        n = dc.span(max(self.lengths) + B, self.slot_bucket)
         out = step(feats, bonus, dc.lengths_t, self.cache.lengths_t, n)
         dc.advance(self.pending_counts)
         return out
@@ -196,7 +196,7 @@ class Engine:
         features are the drafter's next context."""
         self.cache.commit(paths)
         q = max(len(p) for p in paths)
-        if all(list(p) == list(range(len(p))) for p in paths):
+        if all(is_chain(p) for p in paths):
             self.pending = self.verified[:, :q]
         else:
             idx = torch.tensor([list(p) + [0] * (q - len(p)) for p in paths], device=self.verified.device)

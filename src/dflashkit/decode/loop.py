@@ -155,7 +155,6 @@ def decode_stream(
     samplings = [s or Sampling() for s in _per_row(sampling, n, "sampling")]
     for lim in limits:
         check_request(method, lim, engine.drafter, budget)
-    engine.check_prompts(prompts)
     if engine.target.max_positions:  # the answer ends where the model's positions do
         limits = [min(lim, engine.target.max_positions - len(p)) for lim, p in zip(limits, prompts)]
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
@@ -218,7 +217,8 @@ def decode_stream(
             if curve is not None:
                 res[i].draft_sizes.append(tokens.shape[1] - 1)
             res[i].decode_seconds = time.perf_counter() - t1
-            res[i].stage_seconds = dict(stages.seconds)
+            if profile:
+                res[i].stage_seconds = dict(stages.seconds)
             step.append((i, new, res[i]))
         yield step
 

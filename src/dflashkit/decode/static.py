@@ -246,12 +246,12 @@ class StaticRunner:
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
         self.cache: KVCache | None = None
-        self.graphed = Graphs(self._step, lambda: None if self.cache is None else self.cache.k.data_ptr()) \
+        self.graphed = Graphs(self._step, lambda: self.cache.k.data_ptr()) \
             if cuda_graphs else None
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
         self.cache = cache
-        n = min(-(-n // SLOT_BUCKET) * SLOT_BUCKET, cache.capacity)
+        n = cache.span(n, SLOT_BUCKET)
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
         use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
         return (self.graphed if use_graph else self._step)(tokens, depths, ancestors, cache.lengths_t, n)
