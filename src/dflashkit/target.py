@@ -121,7 +121,7 @@ class Target:
                 kwargs[self._cache_kwarg] = cache
             if logits:
                 out = self.model(**kwargs)
-                lg = out.logits
+                lg, hidden = out.logits, None
             else:  # skip the LM head: the base model alone
                 out = self.model.get_decoder()(**kwargs)
                 lg = None
@@ -130,7 +130,7 @@ class Target:
             for h in handles:
                 h.remove()
         feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
-        return TargetOutput(lg, feats, cache, None if logits else hidden)
+        return TargetOutput(lg, feats, cache, hidden)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
