@@ -141,7 +141,8 @@ def decode_stream(
     the prefill and after each round, (prompt index, newly committed tokens, its running
     `Generation`) for each row that was still running. Per row, the tokens, τ per round and
     random draws equal decoding that prompt alone (same seed). A row for which
-    `cancelled(prompt index)` turns true leaves the batch before the next round, unfinished.
+    `cancelled(prompt index)` turns true stops before the next round, unfinished (it leaves the
+    batch, or stays in it idle on an engine with `fixed_rows`).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
     `budget` nodes from the top-`top_k` tokens of each slot). cost_aware: measure what
