@@ -375,8 +375,10 @@ def draft_block(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor,
     b, c = new_features.shape[:2]
     dev = new_features.device
     counts = [c] * b if counts is None else list(counts)
-    if cache.batch != b:
+    if not cache.batch:  # a fresh cache
         cache.start(b, dev)
+    elif cache.batch != b:
+        raise ValueError(f"draft_block: the cache holds {cache.batch} rows, the features {b}")
     B = drafter.config.block_size
     n = max(length + k for length, k in zip(cache.lengths, counts)) + B
     cache.reserve(max(n, max(cache.lengths) + c))
