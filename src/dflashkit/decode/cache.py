@@ -9,7 +9,9 @@ position works for every layer kind.
 
 Rollback is one operation, `commit`: row i keeps the verified nodes `keep[i]` (a path, root
 first) and moves them to slots lengths[i].., a chain being the path 0, 1, 2, ... that moves
-nothing. Recurrent layers (conv and recurrent state per row) belong behind the same `commit`.
+nothing. Linear-attention layers (hybrid targets) keep a conv window and a recurrent state per
+row instead (`LinearState`, attached as `KVCache.linear`); the same `commit` sets them to their
+value after each row's last kept node (`decode/delta.py`).
 
 The buffers keep their addresses while rows come and go (`k` is a view of the first b rows of a
 storage allocated for the most rows seen): CUDA graphs captured over them stay valid, and a
@@ -23,10 +25,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dflashkit.decode import delta
+
 
 class KVCache:
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
+    def __init__(self, num_layers: int, linear: LinearState | None = None) -> None:
+        self.num_layers = num_layers  # attention layers (a hybrid's linear layers live in `linear`)
+        self.linear = linear
         self.k: Tensor | None = None  # [L, b, kv_heads, capacity, head_dim]: a view of the first b rows of _k
         self.v: Tensor | None = None
         self._k: Tensor | None = None  # storage [L, rows, kv_heads, capacity, head_dim]
@@ -49,6 +54,8 @@ class KVCache:
         self.lengths = [0] * batch
         self.lengths_t = torch.zeros(batch, dtype=torch.long, device=device)
         self._view(batch)
+        if self.linear is not None:
+            self.linear.start(batch, device)
 
     def reserve(self, slots: int) -> None:
         """Make room for writes up to slot `slots` - 1; grows the buffers (doubling) if needed."""
@@ -105,10 +112,13 @@ class KVCache:
             for buf in (self.k, self.v):
                 moved = buf.gather(3, (base + src)[None, :, None, :, None].expand(L, b, h, q, d))
                 buf.scatter_(3, dst[None, :, None, :, None].expand(L, b, h, q, d), moved)
+        if self.linear is not None:
+            self.linear.commit(keep)
         self.advance(counts)
 
     def advance(self, counts: Sequence[int]) -> None:
-        """Commit the first counts[i] slots written past each row's length (no move needed)."""
+        """Commit the first counts[i] slots written past each row's length (no move needed; linear
+        layers are advanced by the pass itself or by `commit`)."""
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
         self.lengths_t = self.lengths_t + torch.tensor(counts, device=self.lengths_t.device)
 
@@ -122,6 +132,59 @@ class KVCache:
             k, v = self.k[:, idx, :, :n], self.v[:, idx, :, :n]  # gathered copies: sources and destinations overlap
             self._view(len(rows))
             self.k[:, :, :, :n], self.v[:, :, :, :n] = k, v
+        if self.linear is not None:
+            self.linear.keep_rows(idx)
+
+
+class LinearState:
+    """Each linear-attention layer's state per row: the conv window [K-1, C] (the last K-1 inputs,
+    in the model's dtype) and the recurrent state [heads, dk, dv] (fp32). Views of the first b rows
+    of storages allocated for the most rows seen, like `KVCache`. A verification pass leaves a
+    `delta.Block` in `pending`; `commit` turns it into each row's state after its last kept node."""
+
+    def __init__(self, layers: int, kernel: int, channels: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> None:
+        self.shape = (layers, kernel, channels, heads, dk, dv)
+        self.dtype = dtype
+        self._conv: Tensor | None = None  # [L, rows, K-1, C]
+        self._rec: Tensor | None = None  # [L, rows, h, dk, dv]
+        self.conv: Tensor | None = None
+        self.rec: Tensor | None = None
+        self.pending: delta.Block | None = None
+
+    def start(self, batch: int, device: torch.device) -> None:
+        L, K, C, h, dk, dv = self.shape
+        if self._conv is None or self._conv.shape[1] < batch or self._conv.device != device:
+            self._conv = torch.zeros(L, batch, K - 1, C, dtype=self.dtype, device=device)
+            self._rec = torch.zeros(L, batch, h, dk, dv, dtype=torch.float32, device=device)
+        self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
+        self.conv.zero_()
+        self.rec.zero_()
+        self.pending = None
+
+    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        """Row i's state becomes its state after node keep[i][-1] of the pending block (a path's
+        last node; rows keeping nothing are unchanged)."""
+        rows = [i for i, p in enumerate(keep) if p]
+        if not rows:
+            return
+        p, dev = self.pending, self.rec.device
+        r = torch.tensor(rows, device=dev)
+        leaf = torch.tensor([keep[i][-1] for i in rows], device=dev)
+        L, m = self.rec.shape[0], len(rows)
+        window = p.src[r, leaf, 1:]  # [m, K-1]: the leaf's window, shifted by one
+        seq = p.seq[:, r]
+        self.conv[:, r] = seq.gather(2, window[None, :, :, None].expand(L, m, -1, seq.shape[3]))
+        incl = p.incl[r, leaf][None, :, None, :]  # [1, m, 1, q]
+        self.rec[:, r] = delta.fold(self.rec[:, r], p.k[:, r], p.d[:, r], p.G[:, r], incl,
+                                    leaf[None, :, None, None].expand(L, m, 1, 1))
+        self.pending = None
+
+    def keep_rows(self, idx: Tensor) -> None:
+        conv, rec = self.conv[:, idx], self.rec[:, idx]  # gathered copies: sources and destinations overlap
+        self.conv, self.rec = self._conv[:, :len(idx)], self._rec[:, :len(idx)]
+        self.conv.copy_(conv)
+        self.rec.copy_(rec)
+        self.pending = None
 
 
 def is_chain(path: Sequence[int]) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from dflashkit.decode.cache import KVCache, is_chain
+from dflashkit.decode.cache import KVCache, LinearState, is_chain
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
@@ -31,11 +31,14 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chun
 
 
 class Runner(Protocol):
-    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
+                 commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run the target's layers over tokens [b, q] written into `cache` at slots
         lengths + j, positions lengths + depths [b, q], under `tree.visibility` (ancestors bool
         [b, q, q]) over the first n slots. -> (hidden after the final norm [b, q, H], tapped
-        features [b, q, n_taps * H])."""
+        features [b, q, n_taps * H]). commit [b] (a prefill's chain): the first commit[i]
+        tokens of row i are kept; state that cannot wait for `KVCache.commit` (a hybrid's
+        recurrent layers over a long prompt) takes them in now."""
 
 
 class _SlotCache:
@@ -77,13 +80,14 @@ class HFRunner:
         kinds = target.layer_kinds
         unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
         if unknown:
-            raise ValueError(f"{target.name}: layer types {unknown} hold recurrent state, which this engine cannot "
-                             "roll back after a draft; decode with an attention-only target")
+            raise ValueError(f"{target.name}: layer types {unknown} hold recurrent state, which Transformers' "
+                             "layers cannot roll back after a draft; use engine 'static' (or 'auto')")
         self.typed = bool(getattr(target.config, "layer_types", None))
         self.kinds = set(kinds)
         self.window = getattr(target.config, "sliding_window", None)
 
-    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
+                 commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         q, dt = tokens.shape[1], self.target.dtype
         lengths = cache.lengths_t
         slots = lengths[:, None] + torch.arange(q, device=tokens.device)
@@ -96,6 +100,19 @@ class HFRunner:
         out = self.target.forward(tokens, self.layer_ids, position_ids=lengths[:, None] + depths, attention_mask=masks,
                                   cache=_transformers_cache(cache, slots, n), logits=False)
         return out.hidden, out.features
+
+
+def new_cache(target: Target) -> KVCache:
+    """The target's cache: keys/values for its attention layers and, for a hybrid, the conv and
+    recurrent state of its linear-attention (Gated DeltaNet) layers."""
+    kinds, cfg = target.layer_kinds, target.config
+    n_linear = kinds.count("linear_attention")
+    linear = None
+    if n_linear:
+        kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        linear = LinearState(n_linear, cfg.linear_conv_kernel_dim, 2 * kh * dk + vh * dv, vh, dk, dv, target.dtype)
+    return KVCache(len(kinds) - n_linear, linear)
 
 
 class Engine:
@@ -111,7 +128,7 @@ class Engine:
         # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
         # CUDA graphs, every new batch size would capture new graphs.
         self.fixed_rows = False
-        self.cache = KVCache(target.num_layers)
+        self.cache = new_cache(target)
         self.dcache = drafter.new_cache() if drafter is not None else None
 
     @property
@@ -149,12 +166,14 @@ class Engine:
             q = min(PREFILL_CHUNK, T - off)
             depths = torch.arange(q, device=dev).expand(b, -1)
             causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(b, -1, -1)
-            hidden, f = self.run(self.cache, ids[:, off:off + q], depths, causal, max(self.cache.lengths) + q)
+            counts = [min(max(n - off, 0), q) for n in lens]
+            hidden, f = self.run(self.cache, ids[:, off:off + q], depths, causal, max(self.cache.lengths) + q,
+                                 torch.tensor(counts, device=dev))
             feats.append(f)
             for i, n in enumerate(lens):
                 if off <= n - 1 < off + q:
                     last[i] = hidden[i, n - 1 - off]
-            self.cache.advance([min(max(n - off, 0), q) for n in lens])
+            self.cache.advance(counts)
         self.pending, self.pending_counts = torch.cat(feats, 1), lens
         if self.dcache is not None:
             self.dcache.start(b, dev)

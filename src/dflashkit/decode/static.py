@@ -12,9 +12,10 @@ The mask is `tree.visibility`, the drafter is the `drafter.py` module (its step 
 only the target's layers are run differently from `engine.HFRunner`, and tests check both equal
 the target's own generation. Optional torch.compile fuses each layer's elementwise work, and
 q/k/v and gate/up weights can be fused row-wise. Supported targets: Llama / Qwen2 / Qwen3-style
-decoders (full attention, or sliding windows named per layer) and Gemma 3 (its norms of
-(1 + w), the norms after attention and MLP, GELU, one RoPE per layer type, query scaling by
-`query_pre_attn_scalar`).
+decoders (full attention, or sliding windows named per layer), Gemma 3 (its norms of (1 + w), the
+norms after attention and MLP, GELU, one RoPE per layer type, query scaling by
+`query_pre_attn_scalar`) and the Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet layers through
+`decode/delta.py`; attention with an output gate, partial rotary, norms of (1 + w)).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, apply_rope
 from dflashkit.target import Target
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text")
 GEMMA = ("gemma3_text",)
+HYBRID = ("qwen3_5_text",)  # linear-attention layers beside full attention
 SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
 GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
 
@@ -43,8 +46,9 @@ def supported(target: Target) -> str | None:
     if cfg.model_type not in MODEL_TYPES:
         return f"model type {cfg.model_type!r} is not one of {MODEL_TYPES}"
     kinds = set(target.layer_kinds)
-    if kinds - {"full_attention", "sliding_attention"}:
-        return f"layer types {sorted(kinds)} (only full and sliding attention)"
+    allowed = {"full_attention", "sliding_attention"} | ({"linear_attention"} if cfg.model_type in HYBRID else set())
+    if kinds - allowed:
+        return f"layer types {sorted(kinds)} (only {sorted(allowed)})"
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     if act not in ACTIVATIONS:
         return f"activation {act!r} (only {sorted(ACTIVATIONS)})"
@@ -54,16 +58,33 @@ def supported(target: Target) -> str | None:
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+class LinearMix(NamedTuple):
+    """A Gated DeltaNet token mixer's tensors (Qwen3.5): input projections (fused row-wise into
+    `proj` = [qkv; z; b; a] when fusing), the depthwise causal conv [C, K], decay and gate norm."""
+
+    qkv: Tensor
+    z: Tensor
+    b: Tensor
+    a: Tensor
+    proj: Tensor | None
+    conv: Tensor
+    conv_b: Tensor | None
+    dt_bias: Tensor
+    A_log: Tensor
+    norm: Tensor
+
+
 class LayerWeights(NamedTuple):
     """One decoder layer's tensors (biases may be None). A plain tuple of tensors, so that one
-    compiled function serves every layer."""
+    compiled function serves every layer. A linear-attention layer has `mix` and no q/k/v; `o` is
+    its output projection."""
 
     ln1: Tensor
-    q: Tensor
+    q: Tensor | None
     qb: Tensor | None
-    k: Tensor
+    k: Tensor | None
     kb: Tensor | None
-    v: Tensor
+    v: Tensor | None
     vb: Tensor | None
     qn: Tensor | None
     kn: Tensor | None
@@ -80,12 +101,17 @@ class LayerWeights(NamedTuple):
     gate_up: Tensor | None = None  # fused [gate; up] rows: one GEMM instead of two
     post_attn: Tensor | None = None  # Gemma: a norm on the attention output, one on the MLP output
     post_mlp: Tensor | None = None
-    gemma: bool = False  # norms of (1 + w) computed in fp32; GELU (tanh) in the MLP
+    offset: bool = False  # norms of (1 + w) computed in fp32 (Gemma, Qwen3.5)
+    gelu: bool = False  # GELU (tanh) in the MLP instead of SiLU (Gemma)
+    gated: bool = False  # q_proj rows hold [query; gate] per head; the attention output is gated (Qwen3.5)
+    mix: LinearMix | None = None
 
 
 def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     """Detached views of the module's parameters (same storage; no autograd state to guard on).
     fuse: also q/k/v and gate/up as one row-concatenated weight each (see `_fuse_rows`)."""
+    if hasattr(layer, "linear_attn"):
+        return _linear_weights(layer, fuse)
     a, m = layer.self_attn, layer.mlp
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
     gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's post_attention_layernorm is not the pre-MLP norm
@@ -98,9 +124,25 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     gate_up = _fuse_rows([m.gate_proj, m.up_proj]) if fuse else None
     w = [None if mod is None else mod.weight.detach() for mod in mods]
     extra = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
-                 post_mlp=layer.post_feedforward_layernorm.weight.detach(), gemma=True) if gemma else {}
+                 post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True, gelu=True) if gemma else {}
+    if type(layer.input_layernorm).__name__.startswith("Qwen3_5"):
+        extra = dict(offset=True, gated=True)
     return LayerWeights(w[0], w[1], b[1], w[2], b[2], w[3], b[3], w[4], w[5], w[6], b[6], w[7], w[8], b[8], w[9], b[9],
                         w[10], b[10], qkv=qkv_w, gate_up=gate_up, **extra)
+
+
+def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
+    la, m = layer.linear_attn, layer.mlp
+    d = {name: getattr(la, name).weight.detach() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+    mix = LinearMix(d["in_proj_qkv"], d["in_proj_z"], d["in_proj_b"], d["in_proj_a"],
+                    _fuse_rows([la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]) if fuse else None,
+                    la.conv1d.weight.detach()[:, 0], None if la.conv1d.bias is None else la.conv1d.bias.detach(),
+                    la.dt_bias.detach(), la.A_log.detach(), la.norm.weight.detach())
+    gate_up = _fuse_rows([m.gate_proj, m.up_proj]) if fuse else None
+    return LayerWeights(layer.input_layernorm.weight.detach(), None, None, None, None, None, None, None, None,
+                        la.out_proj.weight.detach(), None, layer.post_attention_layernorm.weight.detach(),
+                        m.gate_proj.weight.detach(), None, m.up_proj.weight.detach(), None, m.down_proj.weight.detach(),
+                        None, gate_up=gate_up, offset=True, mix=mix)
 
 
 @torch.no_grad()
@@ -124,49 +166,60 @@ def _fuse_rows(mods: list[nn.Module]) -> Tensor:
     return buf
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float, gemma: bool = False) -> Tensor:
-    # The exact op order of Transformers' Llama/Qwen3 RMSNorm (and the drafter's), or Gemma's.
+def rms_norm(x: Tensor, w: Tensor, eps: float, offset: bool = False) -> Tensor:
+    # The exact op order of Transformers' Llama/Qwen3 RMSNorm (and the drafter's), or, with
+    # offset, Gemma's and Qwen3.5's (1 + w) in fp32.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
+    if offset:
         return (x32 * (1.0 + w.float())).to(x.dtype)
     return w * x32.to(x.dtype)
 
 
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head (all of them unless partial rotary)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
 def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
-        head_dim: int, norm_input: bool = True, with_q: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
-    """x [b, t, H] -> q [b, heads, t, d] (or None), k, v [b, kv_heads, t, d], RoPE applied."""
+        head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """x [b, t, H] -> q [b, heads, t, d], k, v [b, kv_heads, t, d] (RoPE applied), and the output
+    gate [b, t, heads * d] of a gated attention (else None)."""
     b, t, _ = x.shape
-    h = rms_norm(x, w.ln1, eps, w.gemma) if norm_input else x
+    h = rms_norm(x, w.ln1, eps, w.offset)
+    q_rows = heads * head_dim * (2 if w.gated else 1)
     if w.qkv is not None:
-        y = F.linear(h, w.qkv[heads * head_dim:] if not with_q else w.qkv)
-        parts = list(y.split([heads * head_dim] * with_q + [kv_heads * head_dim] * 2, dim=-1))
-        yq = parts.pop(0) if with_q else None
-        yk, yv = parts
+        yq, yk, yv = F.linear(h, w.qkv).split([q_rows, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     else:
-        yq = F.linear(h, w.q, w.qb) if with_q else None
-        yk, yv = F.linear(h, w.k, w.kb), F.linear(h, w.v, w.vb)
+        yq, yk, yv = F.linear(h, w.q, w.qb), F.linear(h, w.k, w.kb), F.linear(h, w.v, w.vb)
+    gate = None
+    if w.gated:
+        yq, gate = yq.reshape(b, t, heads, 2 * head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(b, t, heads * head_dim)
 
     def heads_first(y: Tensor, n: int, norm: Tensor | None) -> Tensor:
-        y = y.view(b, t, n, head_dim)
-        return (y if norm is None else rms_norm(y, norm, eps, w.gemma)).transpose(1, 2)
+        y = y.reshape(b, t, n, head_dim)
+        return (y if norm is None else rms_norm(y, norm, eps, w.offset)).transpose(1, 2)
 
-    q = apply_rope(heads_first(yq, heads, w.qn), cos, sin) if with_q else None
-    return q, apply_rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None)
+    q = rope(heads_first(yq, heads, w.qn), cos, sin)
+    return q, rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None), gate
 
 
 def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
     """Attention output projection + residual, then the gated MLP + residual (Gemma: each branch
     normalised before it joins the residual)."""
     a = F.linear(o, w.o, w.ob)
-    x = x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.gemma))
-    h = rms_norm(x, w.ln2, eps, w.gemma)
+    x = x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.offset))
+    h = rms_norm(x, w.ln2, eps, w.offset)
     if w.gate_up is not None:
         gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
     else:
         gate, up = F.linear(h, w.gate, w.gb), F.linear(h, w.up, w.ub)
-    m = F.linear(ACTIVATIONS["gelu_pytorch_tanh" if w.gemma else "silu"](gate) * up, w.down, w.db)
-    return x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.gemma))
+    m = F.linear(ACTIVATIONS["gelu_pytorch_tanh" if w.gelu else "silu"](gate) * up, w.down, w.db)
+    return x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.offset))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
@@ -234,8 +287,10 @@ class StaticRunner:
         self.eps = tc.rms_norm_eps
         self.heads, self.kv_heads = tc.num_attention_heads, tc.num_key_value_heads
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // self.heads
-        self.scale = target.layers[0].self_attn.scaling
+        self.scale = next(layer.self_attn.scaling for layer in target.layers if hasattr(layer, "self_attn"))
         self.kinds = target.layer_kinds
+        self.linear_dims = (getattr(tc, "linear_num_key_heads", 0), getattr(tc, "linear_num_value_heads", 0),
+                            getattr(tc, "linear_key_head_dim", 0))
         self.window = getattr(tc, "sliding_window", None)
         self.gemma = tc.model_type in GEMMA
         fuse = target.device.type == "cuda" if fuse is None else fuse  # measured faster on an H200
@@ -246,35 +301,103 @@ class StaticRunner:
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
         self.cache: KVCache | None = None
-        self.graphed = Graphs(self._step, lambda: self.cache.k.data_ptr()) \
-            if cuda_graphs else None
+        self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
+                                                   self.cache.linear.rec.data_ptr())) if cuda_graphs else None
 
-    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
+                 commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         self.cache = cache
         n = cache.span(n, SLOT_BUCKET)
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
         use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
-        return (self.graphed if use_graph else self._step)(tokens, depths, ancestors, cache.lengths_t, n)
+        h, feats, block = (self.graphed if use_graph else self._step)(tokens, depths, ancestors, cache.lengths_t, n, commit)
+        if cache.linear is not None:
+            cache.linear.pending = block
+        return h, feats
 
-    def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
+              commit: Tensor | None) -> tuple[Tensor, Tensor, delta.Block | None]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
         g = self.heads // self.kv_heads
+        kinds = set(self.kinds) - {"linear_attention"}
         masks = {kind: visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention" else None)
-                 .repeat(1, g, 1)[:, None] for kind in set(self.kinds)}
+                 .repeat(1, g, 1)[:, None] for kind in kinds}
         slots = lengths[:, None] + torch.arange(q, device=dev)
         x = self.target.embed(tokens)
         pos = lengths[:, None] + depths
-        rope = {kind: self.rotary(x, pos, kind) if self.gemma else self.rotary(x, pos) for kind in set(self.kinds)}
+        rot = {kind: self.rotary(x, pos, kind) if self.gemma else self.rotary(x, pos) for kind in kinds}
+        lin = cache.linear
+        if lin is not None:
+            src = delta.conv_sources(depths, ancestors, lin.shape[1])
+            parts: list[tuple[Tensor, ...]] = []
         taps: dict[int, Tensor] = {}
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
-            cos, sin = rope[kind]
-            qh, k, v = self._qkv(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads, self.head_dim)
-            cache.write(i, k, v, slots)
-            x = self._out_mlp(x, attend(qh, *cache.view(i, n), masks[kind], self.scale), w, self.eps)
+            if w.mix is not None:
+                li = len(parts)
+                o, part = linear_mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
+                parts.append(part)
+            else:
+                ai = i - (len(parts) if lin is not None else 0)
+                cos, sin = rot[kind]
+                qh, k, v, gate = self._qkv(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
+                                           self.head_dim)
+                cache.write(ai, k, v, slots)
+                o = attend(qh, *cache.view(ai, n), masks[kind], self.scale)
+                if gate is not None:
+                    o = o * torch.sigmoid(gate)
+            x = self._out_mlp(x, o, w, self.eps)
             taps[i] = x
-        h = rms_norm(x, self.norm_w, self.eps, self.gemma)
+        h = rms_norm(x, self.norm_w, self.eps, self.tw[-1].offset)
         taps[len(self.tw) - 1] = h  # as in Target.forward: the last layer is reported after the final norm
-        return h, torch.cat([taps[i] for i in self.layer_ids], dim=-1)
+        block = None
+        if lin is not None and commit is None:
+            block = delta.Block(*(torch.stack(t) for t in zip(*parts)), ancestors, src)
+        return h, torch.cat([taps[i] for i in self.layer_ids], dim=-1), block
+
+
+def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor, src: Tensor, incl: Tensor,
+               commit: Tensor | None, dims: tuple[int, int, int]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """A Gated DeltaNet token mixer over a verification block (see `decode/delta.py`), before its
+    output projection: x [b, t, H], the layer's conv window [b, K-1, C] and state [b, h, dk, dv]
+    -> ([b, t, h * dv], (conv inputs, k, d, G) for `LinearState.commit`).
+    commit [b] (prefill): the block is a chain whose first commit[i] tokens of row i are committed
+    now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest of each row made inert
+    (no decay, no update)."""
+    m = w.mix
+    b, t, _ = x.shape
+    key_heads, value_heads, dk = dims
+    h = rms_norm(x, w.ln1, eps, w.offset)
+    C, Z = m.qkv.shape[0], m.z.shape[0]
+    if m.proj is not None:
+        mixed, z, bb, a = F.linear(h, m.proj).split([C, Z, value_heads, value_heads], dim=-1)
+    else:
+        mixed, z, bb, a = (F.linear(h, p) for p in (m.qkv, m.z, m.b, m.a))
+    seq = torch.cat([conv, mixed.to(conv.dtype)], dim=1)  # [b, K-1+t, C]
+    q, k, v, g, beta = delta.prepare(delta.causal_conv(seq, src, m.conv, m.conv_b), a, bb, m.A_log, m.dt_bias,
+                                     key_heads, value_heads, dk)
+    if commit is None:
+        o, d, G = delta.block(q, k, v, g, beta, rec, incl)
+        part: tuple[Tensor, ...] = (seq, k, d, G)
+    else:
+        live = (torch.arange(t, device=x.device) < commit[:, None])[:, None]  # [b, 1, t]
+        g, beta = g * live, beta * live
+        S, outs = rec, []
+        for s in range(0, t, delta.SUBCHUNK):
+            e = min(t, s + delta.SUBCHUNK)
+            sub = incl[:, s:e, s:e]
+            o, d, G = delta.block(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e], S, sub)
+            S = delta.fold(S, k[:, :, s:e], d, G, sub[:, -1:], torch.full_like(G[..., :1], e - s - 1, dtype=torch.long))
+            outs.append(o)
+        o = torch.cat(outs, dim=2)
+        rec.copy_(S)
+        K1 = conv.shape[1]  # the last K-1 committed inputs: slots commit .. commit + K-2 of seq
+        conv.copy_(seq.gather(1, (commit[:, None] + torch.arange(K1, device=x.device))[..., None].expand(-1, -1, C)))
+        part = ()
+    o = o.transpose(1, 2).to(x.dtype)  # [b, t, h, dv]
+    o32 = o.float()
+    o = (m.norm * (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+    o = (o * F.silu(z.reshape(b, t, value_heads, -1).float())).to(x.dtype)  # the gated norm of Qwen3.5
+    return o.reshape(b, t, -1), part
 
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
