@@ -355,17 +355,28 @@ def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeyp
     proves that the test can fail."""
     if lossy:
         monkeypatch.setattr(loop_mod, "target_tokens", _lossy_target_tokens)
-    V, steps, n = 8, 3, 600
-    target = make_tiny_target(num_layers=2, hidden=32, vocab=V, seed=5)
+    target = make_tiny_target(num_layers=2, hidden=32, vocab=8, seed=5)
+    pvalues = sampling_pvalues(target, Engine, method, cost_aware)
+    if lossy:
+        assert min(pvalues) < 1e-6
+    else:
+        assert min(pvalues) > 1e-3
+
+
+def sampling_pvalues(target: Target, make_engine, method: str, cost_aware: bool = False, peak: float = 4.0) -> list[float]:
+    """Chi-square p-values of 600 sampled 3-token answers against the exact distribution (see
+    test_sampling_follows_target_distribution); `target` has a vocabulary of 8, its LM head is
+    scaled by `peak` (a distribution peaked but far from deterministic)."""
+    V, steps, n = target.vocab_size, 3, 600
     with torch.no_grad():
-        target.model.lm_head.weight.mul_(4.0)  # peaked but far from deterministic
+        target.model.lm_head.weight.mul_(peak)
     drafter = make_tiny_drafter(target, num_layers=1, num_taps=1, block_size=4)
     ids = torch.tensor([[1, 3, 5]])
     sampling = Sampling(temperature=1.0)
     # Proposals: the target's own next-token distribution along its most likely path.
     mode = torch.tensor([ids[0].tolist() + greedy_reference(target, ids, 6)])
     table = torch.cat([torch.zeros(1, 1, V), target.model(mode).logits], dim=1)  # row p: distribution of token p
-    eng = Oracle(Engine(target, drafter), lambda n: table[:, n + 1:n + 4])
+    eng = Oracle(make_engine(target, drafter), lambda n: table[:, n + 1:n + 4])
     counts = torch.zeros(V ** steps)
     accepted = 0
     for s in range(n):
@@ -376,13 +387,9 @@ def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeyp
     assert accepted > n // 3, "the test needs drafts to be accepted often"
     exact = _exact_joint(target, ids, steps, sampling)
     c3, p3 = counts.view(V, V, V), exact.view(V, V, V)
-    pvalues = [_chi2_pvalue(c3.sum(0).flatten(), p3.sum(0).flatten().float()),
-               _chi2_pvalue(c3.sum((0, 2)), p3.sum((0, 2)).float()),
-               _chi2_pvalue(c3.sum((0, 1)), p3.sum((0, 1)).float())]
-    if lossy:
-        assert min(pvalues) < 1e-6
-    else:
-        assert min(pvalues) > 1e-3
+    return [_chi2_pvalue(c3.sum(0).flatten(), p3.sum(0).flatten().float()),
+            _chi2_pvalue(c3.sum((0, 2)), p3.sum((0, 2)).float()),
+            _chi2_pvalue(c3.sum((0, 1)), p3.sum((0, 1)).float())]
 
 
 # ---- the real testbed (SmolLM2) ------------------------------------------------------------------

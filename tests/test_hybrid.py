@@ -1,0 +1,145 @@
+"""Hybrid targets (Qwen3.5 / Qwen3.6 style: Gated DeltaNet layers beside gated full attention):
+the delta rule over a draft tree, extraction, rollback after any commits, and lossless decoding
+(greedy identical to the target's own generation, sampling by chi-square) on a tiny random
+hybrid in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_drafter, make_tiny_hybrid
+from datahelpers import one_thread  # noqa: F401
+from dflashkit.data.features import online_features
+from dflashkit.decode import delta
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.loop import generate, generate_batch, make_engine
+from dflashkit.decode.static import static_engine
+from test_cache import _random_round
+from test_decode import Oracle, expected_taus, greedy_reference, oracle_proposals, ragged_prompts, sampling_pvalues
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+METHODS = [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return make_tiny_hybrid()
+
+
+def _path_closure(parents: list[int]) -> torch.Tensor:
+    incl = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for j in range(len(parents)):
+        i = j
+        while i >= 0:
+            incl[j, i], i = True, parents[i]
+    return incl
+
+
+def test_delta_block_over_a_tree_equals_each_path_alone():
+    """Every node's output, and the state folded at every node, equal Transformers' token-by-token
+    recurrence over that node's root path alone."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as recurrent
+
+    torch.manual_seed(0)
+    b, h, dk, dv = 2, 3, 8, 5
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]
+    t = len(parents)
+    q, k = torch.randn(b, t, h, dk), torch.randn(b, t, h, dk)
+    v, g, beta, S0 = torch.randn(b, t, h, dv), -torch.rand(b, t, h), torch.rand(b, t, h), torch.randn(b, h, dk, dv)
+    incl = _path_closure(parents).expand(b, -1, -1)
+    qn, kn = delta._l2(q.transpose(1, 2)) * dk ** -0.5, delta._l2(k.transpose(1, 2))
+    O, D, G = delta.block(qn, kn, v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2), S0, incl)
+    for j in range(t):
+        path = incl[0, j].nonzero()[:, 0].tolist()
+        o, S = recurrent(q[:, path], k[:, path], v[:, path], g[:, path], beta[:, path], initial_state=S0,
+                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(O[:, :, j], o[:, -1], atol=1e-5, rtol=1e-5)
+        folded = delta.fold(S0, kn, D, G, incl[:, j:j + 1], torch.full((b, h, 1), j))
+        torch.testing.assert_close(folded, S, atol=1e-5, rtol=1e-5)
+
+
+def test_extraction_equals_plain_forward(hybrid):
+    """The features of extraction (hooks on Transformers' forward) and of the decoding runner's
+    prefill (a ragged batch, one prompt longer than a delta-rule sub-block) are the model's own
+    hidden states."""
+    taps = [0, 1, 3, 5]
+    prompts = [torch.randint(3, 120, (n,)) for n in (150, 37, 70)]
+    runner_feats = static_engine(hybrid, None)
+    runner_feats.layer_ids = taps
+    runner_feats.run.layer_ids = taps
+    runner_feats.prefill(prompts, capacity=8)
+    for i, p in enumerate(prompts):
+        hs = hybrid.model(p[None], output_hidden_states=True).hidden_states
+        want = torch.cat([hs[j + 1] for j in taps], dim=-1)[0]  # hidden_states[0] is the embedding
+        torch.testing.assert_close(online_features(hybrid, p[None], taps)[0], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runner_feats.pending[i, :len(p)], want, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_after_commits_equals_fresh_prefill(hybrid):
+    """After random chain and tree commits, every row's keys/values, conv windows and recurrent
+    states equal a fresh prefill of what the row committed; the next logits equal the target's."""
+    drafter = make_tiny_drafter(hybrid)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 120, (n,), generator=gen) for n in (9, 4, 13)]
+    eng = static_engine(hybrid, drafter)
+    eng.prefill(prompts, capacity=16)
+    committed = [p.tolist() for p in prompts]
+    for _ in range(6):
+        for row, new in zip(committed, _random_round(eng, gen, hybrid.vocab_size)):
+            row += new
+    fresh = static_engine(hybrid, drafter)
+    fresh.prefill([torch.tensor(c) for c in committed], capacity=64)
+    for i, n in enumerate(eng.lengths):
+        assert n == len(committed[i])
+        torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(eng.cache.linear.conv, fresh.cache.linear.conv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eng.cache.linear.rec, fresh.cache.linear.rec, atol=1e-4, rtol=1e-4)
+    bonus = torch.tensor([5, 6, 7])
+    logits = eng.verify(bonus[:, None], torch.zeros(3, 1, dtype=torch.long))[:, 0]
+    for i, c in enumerate(committed):
+        want = hybrid.model(torch.tensor([c + [int(bonus[i])]])).logits[0, -1]
+        torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_identical(hybrid):
+    """AR, DFlash and DDTree, batch 1 and a ragged batch (one prompt past a sub-block), equal
+    Transformers' own greedy generation."""
+    drafter = make_tiny_drafter(hybrid)
+    prompts = ragged_prompts(1, (20, 7, 90, 12))
+    refs = [greedy_reference(hybrid, p, 30) for p in prompts]
+    for method, budget in METHODS:
+        make = lambda: make_engine(hybrid, drafter if method != "ar" else None)  # noqa: E731
+        g = generate(make(), prompts[0], max_new_tokens=30, method=method, budget=budget)
+        assert g.tokens == refs[0], (method, budget)
+        for i, g in enumerate(generate_batch(make(), prompts, max_new_tokens=30, method=method, budget=budget)):
+            assert g.tokens == refs[i], (method, budget, i)
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_multi_token_acceptance(hybrid, method):
+    """Drafts right for the first j slots (DDTree: through runner-up children): τ is exactly j+1
+    and the output unchanged, so the states after accepted paths are the right ones."""
+    drafter = make_tiny_drafter(hybrid)
+    B, V, max_new = drafter.config.block_size, hybrid.vocab_size, 40
+    prompts = ragged_prompts(3, (17, 9, 22))
+    seqs = [p[0].tolist() + greedy_reference(hybrid, p, max_new + B) for p in prompts]
+    ranks, budget, cap = (1, None, B - 1) if method == "dflash" else (2, 30, 4)
+    eng = Oracle(static_engine(hybrid, drafter), *[oracle_proposals(s, V, B, ranks) for s in seqs])
+    gens = generate_batch(eng, prompts, max_new_tokens=max_new, method=method, budget=budget, top_k=2)
+    for p, s, g in zip(prompts, seqs, gens):
+        T = p.shape[1]
+        assert g.tokens == s[T:T + max_new]
+        assert g.accept_lengths == expected_taus(T, max_new, B, cap)
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_sampling_follows_target_distribution(method):
+    target = make_tiny_hybrid(vocab=8, seed=5, layers="LA")
+    assert min(sampling_pvalues(target, static_engine, method, peak=40.0)) > 1e-3
+
+
+def test_transformers_engine_refuses_hybrids(hybrid):
+    with pytest.raises(ValueError, match="engine 'static'"):
+        Engine(hybrid)
