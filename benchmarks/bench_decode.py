@@ -15,6 +15,13 @@ the drafter's whole step compiled too). Stage times
 synchronise the GPU at each stage boundary; "round" is the same loop without those extra
 synchronisations.
 
+`--target qwen3.6-27b`: a Qwen3.6-27B-shaped hybrid instead (64 layers: 48 Gated DeltaNet, 16
+gated full attention; hidden 5120; vocab 248320), drafted by the published drafter's shape (5
+layers, taps [1, 16, 31, 46, 61], four sliding-window layers of 2048 and one full); the commit
+stage is then the state rollback. `--check-features` compares, per tapped layer, the decoding
+runner's PyTorch path with Transformers' forward (its GPU kernels where installed, e.g. fla)
+on the same prompt, in bf16 and in fp32 (cosine, max error).
+
 Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused` engine at
 each batch size, at τ = 1 (random drafts) and with every draft accepted (τ = B: the acceptance
 walk replaced, timing only); `--long 16384` times a round after a prompt of that
@@ -22,6 +29,7 @@ many tokens against the `--prompt-len` one, with the peak memory of each prefill
 
     python benchmarks/bench_decode.py --json out.json        # GPU
     python benchmarks/bench_decode.py --tiny                 # CPU smoke test of the same code
+    python benchmarks/bench_decode.py --target qwen3.6-27b --budgets 16,64 --check-features --json out.json
 """
 
 from __future__ import annotations
@@ -45,23 +53,69 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
+QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+SHAPES = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3.6-27b": (QWEN36_27B, TINY_HYBRID)}  # (real, --tiny)
 
 
 def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_layers: int) -> tuple[Target, DFlashDrafter]:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    hybrid = "linear_num_key_heads" in shape
+    if hybrid:  # three Gated DeltaNet layers, then one full attention, as in Qwen3.5 / 3.6
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(shape["num_hidden_layers"])]
+        cfg = Qwen3_5TextConfig(**shape, layer_types=types, max_position_embeddings=262144, tie_word_embeddings=False)
+    else:
+        cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(cfg)
+            model = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(cfg)
     finally:
         torch.set_default_dtype(prev)
-    target = Target(model.to(device=device, dtype=dtype), None, name="qwen3-random")
+    target = Target(model.to(device=device, dtype=dtype), None, name=f"{cfg.model_type}-random")
     dcfg = drafter_config_for_target(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers, num_taps=5)
     return target, DFlashDrafter(dcfg).to(device=device, dtype=dtype)
+
+
+def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> dict:
+    """Per tapped layer: the decoding runner's features (PyTorch path) against Transformers'
+    forward (its kernels as installed) on the same prompt, in the target's dtype and in fp32."""
+    from dflashkit.data.check import Comparison
+    from dflashkit.data.features import online_features
+
+    out = {}
+    for dtype in (target.dtype, torch.float32):
+        if dtype != target.dtype:
+            target.model.to(dtype)  # in place, parameter by parameter
+            target = Target(target.model, None, name=target.name)
+        eng = static_engine(target, None, cuda_graphs=False)
+        eng.layer_ids = eng.run.layer_ids = layer_ids
+        eng.prefill([ids[0]], capacity=ids.shape[1] + 1)
+        cmp = Comparison(layer_ids)
+        cmp.add(online_features(target, ids, layer_ids)[0].float(), eng.pending[0].float())
+        rows = cmp.report()
+        out[str(dtype).removeprefix("torch.")] = [r.__dict__ for r in rows]
+        print(f"features {dtype}: runner (PyTorch) vs Transformers' forward, per tapped layer: "
+              + ", ".join(f"L{r.layer} cos {r.cosine_mean:.6f} (min {r.cosine_min:.6f}) err {r.max_abs_err:.3g}"
+                          for r in rows), flush=True)
+        del eng
+    return out
+
+
+def state_memory(engine: Engine) -> dict:
+    """Bytes per sequence of a hybrid's linear-layer state, and of what a verification leaves for
+    its rollback (the last pass's block)."""
+    lin = engine.cache.linear
+    per_row = (lin.conv[:, :1].nbytes + lin.rec[:, :1].nbytes) if lin is not None and lin.conv is not None else 0
+    block = sum(t.nbytes for t in lin.pending) if lin is not None and lin.pending is not None else 0
+    return {"state_mib_per_seq": per_row / 2**20, "block_mib": block / 2**20}
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 10) -> float:
@@ -85,12 +139,12 @@ def weight_bytes(m: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
-def self_check(device: torch.device) -> str:
+def self_check(device: torch.device, hybrid: bool = False) -> str:
     """Greedy outputs of every engine on this device equal the target's own `generate` (tiny fp32)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import make_tiny_drafter, make_tiny_target
+    from conftest import make_tiny_drafter, make_tiny_hybrid, make_tiny_target
 
-    target = make_tiny_target()
+    target = make_tiny_hybrid() if hybrid else make_tiny_target()
     target.model.to(device)
     target = Target(target.model, None)
     drafter = make_tiny_drafter(target).to(device)
@@ -98,7 +152,7 @@ def self_check(device: torch.device) -> str:
     ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
     bad = []
-    for name, make in engines(device, compile_ok=False).items():
+    for name, make in engines(device, compile_ok=False, hybrid=hybrid).items():
         for method, budget in [("ar", None), ("dflash", None), ("ddtree", 12)]:
             try:
                 eng = make(target, drafter if method != "ar" else None)
@@ -109,8 +163,9 @@ def self_check(device: torch.device) -> str:
     return "ok" if not bad else "MISMATCH " + ", ".join(bad)
 
 
-def engines(device: torch.device, compile_ok: bool) -> dict:
-    """The fast engines first, so that a time limit only cuts the baselines."""
+def engines(device: torch.device, compile_ok: bool, hybrid: bool = False) -> dict:
+    """The fast engines first, so that a time limit only cuts the baselines (a hybrid has no
+    Transformers engine: its layers cannot roll their state back)."""
     out = {}
     if device.type == "cuda":
         out["graphs"] = lambda t, d: static_engine(t, d, cuda_graphs=True, fuse=False)
@@ -119,7 +174,8 @@ def engines(device: torch.device, compile_ok: bool) -> dict:
             out["fused"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True)
             out["fused-cd"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True,
                                                          compile_drafter=True)
-    out["hf"] = Engine
+    if not hybrid:
+        out["hf"] = Engine
     out["static"] = lambda t, d: static_engine(t, d, cuda_graphs=False, fuse=False)
     return out
 
@@ -207,16 +263,26 @@ def long_context(target: Target, drafter: DFlashDrafter, lengths: list[int], new
 def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int) -> dict:
     generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)  # capture graphs / compile
     prof = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget, profile=True)
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     plain = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
     r = prof.rounds
     stages = {k: 1e3 * v / r for k, v in prof.stage_seconds.items()}
     return {"round_ms": 1e3 * plain.decode_seconds / plain.rounds, "stages_ms": stages,
-            "staged_round_ms": sum(stages.values()), "rounds": r, "tau": plain.tau}
+            "staged_round_ms": sum(stages.values()), "rounds": r, "tau": plain.tau,
+            "peak_extra_mib": peak}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--target", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (default qwen3-8b)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes of the same kind (CPU smoke test)")
+    ap.add_argument("--check-features", action="store_true",
+                    help="compare the runner's features with Transformers' forward per tapped layer (bf16 and fp32; last)")
     ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
     ap.add_argument("--budgets", default="8,16,32,64")
     ap.add_argument("--engines", default=None, help="comma list among hf,static,graphs,compiled,fused (default: all that apply)")
@@ -230,7 +296,8 @@ def main() -> int:
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = TINY if args.tiny else QWEN3_8B
+    shape = SHAPES[args.target][1 if args.tiny else 0]
+    hybrid = "linear_num_key_heads" in shape
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "batch": 1, "results": {}}
 
@@ -240,9 +307,11 @@ def main() -> int:
 
     import transformers
     res["transformers"] = transformers.__version__
-    res["self_check"] = self_check(device)
+    res["self_check"] = self_check(device, hybrid)
     print(f"self-check (tiny, greedy == target.generate for every engine): {res['self_check']}", flush=True)
+    t_build = time.perf_counter()
     target, drafter = make_models(shape, device, dtype, drafter_layers=2 if args.tiny else 5)
+    res["build_s"] = time.perf_counter() - t_build
     tb, db = weight_bytes(target.model), weight_bytes(drafter)
     res.update(target_gb=tb / 1e9, drafter_gb=db / 1e9)
     if device.type == "cuda":
@@ -255,7 +324,7 @@ def main() -> int:
     ids = torch.randint(0, shape["vocab_size"] - 2, (1, args.prompt_len), device=device)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
-    chosen = engines(device, compile_ok=True)
+    chosen = engines(device, compile_ok=True, hybrid=hybrid)
     if args.engines:
         chosen = {k: v for k, v in chosen.items() if k in args.engines.split(",")}
     for name, make in chosen.items():
@@ -269,6 +338,8 @@ def main() -> int:
                 eng = make(target, drafter if method != "ar" else None)
                 n = args.hf_new_tokens if name in ("hf", "static") else args.new_tokens
                 r = measure(eng, ids, method, budget, n)
+                if hybrid:
+                    r.update(state_memory(eng))
             except Exception as e:  # report and go on: one engine failing must not lose the others' numbers
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"{name:9s} {label:10s} FAILED {r['error']}", flush=True)
@@ -279,7 +350,7 @@ def main() -> int:
                 r["tree_share"] = s.get("tree", 0.0) / r["staged_round_ms"]
                 print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
-            if name != "hf" and budget == budgets[-1] and "error" not in r:
+            if name != "hf" and budget == budgets[-1] and "error" not in r and not hybrid:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)
                 print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
             res["results"].setdefault(name, {})[label] = r
@@ -301,6 +372,10 @@ def main() -> int:
         save()
     if args.long:
         res["long_context"] = long_context(target, drafter, [args.prompt_len, args.long], args.new_tokens, device)
+        save()
+    if args.check_features:
+        del chosen
+        res["features"] = check_features(target, ids, drafter.config.target_layer_ids)
     res["wall_s"] = time.perf_counter() - t_start
     save()
     return 0

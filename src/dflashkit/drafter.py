@@ -335,6 +335,10 @@ def drafter_config_for_target(
     rope = getattr(tc, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
     ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(L, num_taps)
+    if layer_types is None and "linear_attention" in (getattr(tc, "layer_types", None) or []) and num_layers > 1:
+        # Hybrid targets (Qwen3.5 / 3.6): the published drafters' shape, sliding windows of 2048 but one full layer.
+        layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+        sliding_window = sliding_window or 2048
     return DrafterConfig(
         hidden_size=tc.hidden_size,
         intermediate_size=tc.intermediate_size,
