@@ -293,6 +293,7 @@ class StaticRunner:
                             getattr(tc, "linear_key_head_dim", 0))
         self.window = getattr(tc, "sliding_window", None)
         self.gemma = tc.model_type in GEMMA
+        self.mrope = tc.model_type in HYBRID
         fuse = target.device.type == "cuda" if fuse is None else fuse  # measured faster on an H200
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
@@ -325,6 +326,8 @@ class StaticRunner:
         slots = lengths[:, None] + torch.arange(q, device=dev)
         x = self.target.embed(tokens)
         pos = lengths[:, None] + depths
+        if self.mrope:  # text positions on all three multimodal axes (some releases want them spelled out)
+            pos = pos[None].expand(3, -1, -1)
         rot = {kind: self.rotary(x, pos, kind) if self.gemma else self.rotary(x, pos) for kind in kinds}
         lin = cache.linear
         if lin is not None:
