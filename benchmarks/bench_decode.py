@@ -99,7 +99,7 @@ def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> d
         eng.layer_ids = eng.run.layer_ids = layer_ids
         eng.prefill([ids[0]], capacity=ids.shape[1] + 1)
         cmp = Comparison(layer_ids)
-        cmp.add(online_features(target, ids, layer_ids)[0].float(), eng.pending[0].float())
+        cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), eng.pending[0].float().cpu())
         rows = cmp.report()
         out[str(dtype).removeprefix("torch.")] = [r.__dict__ for r in rows]
         print(f"features {dtype}: runner (PyTorch) vs Transformers' forward, per tapped layer: "

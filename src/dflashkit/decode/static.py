@@ -298,9 +298,10 @@ class StaticRunner:
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
-        self._qkv, self._out_mlp = qkv, out_mlp
+        self._qkv, self._out_mlp, self._linear_mix = qkv, out_mlp, linear_mix
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
+            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
                                                    self.cache.linear.rec.data_ptr())) if cuda_graphs else None
@@ -337,7 +338,8 @@ class StaticRunner:
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
                 li = len(parts)
-                o, part = linear_mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
+                mix = linear_mix if commit is not None else self._linear_mix
+                o, part = mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
                 parts.append(part)
             else:
                 ai = i - (len(parts) if lin is not None else 0)
