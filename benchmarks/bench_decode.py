@@ -84,29 +84,22 @@ def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_l
     return target, DFlashDrafter(dcfg).to(device=device, dtype=dtype)
 
 
-def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> dict:
+def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> list[dict]:
     """Per tapped layer: the decoding runner's features (PyTorch path) against Transformers'
-    forward (its kernels as installed) on the same prompt, in the target's dtype and in fp32."""
+    forward (its kernels as installed) on the same prompt, in the target's dtype."""
     from dflashkit.data.check import Comparison
     from dflashkit.data.features import online_features
 
-    out = {}
-    for dtype in (target.dtype, torch.float32):
-        if dtype != target.dtype:
-            target.model.to(dtype)  # in place, parameter by parameter
-            target = Target(target.model, None, name=target.name)
-        eng = static_engine(target, None, cuda_graphs=False)
-        eng.layer_ids = eng.run.layer_ids = layer_ids
-        eng.prefill([ids[0]], capacity=ids.shape[1] + 1)
-        cmp = Comparison(layer_ids)
-        cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), eng.pending[0].float().cpu())
-        rows = cmp.report()
-        out[str(dtype).removeprefix("torch.")] = [r.__dict__ for r in rows]
-        print(f"features {dtype}: runner (PyTorch) vs Transformers' forward, per tapped layer: "
-              + ", ".join(f"L{r.layer} cos {r.cosine_mean:.6f} (min {r.cosine_min:.6f}) err {r.max_abs_err:.3g}"
-                          for r in rows), flush=True)
-        del eng
-    return out
+    eng = static_engine(target, None, cuda_graphs=False)
+    eng.layer_ids = eng.run.layer_ids = layer_ids
+    eng.prefill([ids[0]], capacity=ids.shape[1] + 1)
+    cmp = Comparison(layer_ids)
+    cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), eng.pending[0].float().cpu())
+    rows = cmp.report()
+    print(f"features {target.dtype}: runner (PyTorch) vs Transformers' forward, per tapped layer: "
+          + ", ".join(f"L{r.layer} cos {r.cosine_mean:.6f} (min {r.cosine_min:.6f}) err {r.max_abs_err:.3g}"
+                      for r in rows), flush=True)
+    return [r.__dict__ for r in rows]
 
 
 def state_memory(engine: Engine) -> dict:
@@ -282,7 +275,9 @@ def main() -> int:
     ap.add_argument("--target", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (default qwen3-8b)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes of the same kind (CPU smoke test)")
     ap.add_argument("--check-features", action="store_true",
-                    help="compare the runner's features with Transformers' forward per tapped layer (bf16 and fp32; last)")
+                    help="compare the runner's features with Transformers' forward per tapped layer (last)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many of the target's layers")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on GPU")
     ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
     ap.add_argument("--budgets", default="8,16,32,64")
     ap.add_argument("--engines", default=None, help="comma list among hf,static,graphs,compiled,fused (default: all that apply)")
@@ -295,8 +290,10 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = SHAPES[args.target][1 if args.tiny else 0]
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = dict(SHAPES[args.target][1 if args.tiny else 0])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
     hybrid = "linear_num_key_heads" in shape
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "batch": 1, "results": {}}
