@@ -96,6 +96,10 @@ def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> l
     cmp = Comparison(layer_ids)
     cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), eng.pending[0].float().cpu())
     rows = cmp.report()
+    la = next((layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")), None)
+    kernels = {k: f"{getattr(v, '__module__', '?')}.{getattr(v, '__name__', type(v).__name__)}"
+               for k, v in vars(la).items() if callable(v) and not isinstance(v, torch.nn.Module)} if la else {}
+    print(f"Transformers' linear-attention functions: {kernels}", flush=True)
     print(f"features {target.dtype}: runner (PyTorch) vs Transformers' forward, per tapped layer: "
           + ", ".join(f"L{r.layer} cos {r.cosine_mean:.6f} (min {r.cosine_min:.6f}) err {r.max_abs_err:.3g}"
                       for r in rows), flush=True)
