@@ -44,7 +44,7 @@ import torch
 
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
-from dflashkit.decode.static import static_engine
+from dflashkit.decode.static import runner_features, static_engine
 from dflashkit.decode.tree import walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
@@ -90,11 +90,8 @@ def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> l
     from dflashkit.data.check import Comparison
     from dflashkit.data.features import online_features
 
-    eng = static_engine(target, None, cuda_graphs=False)
-    eng.layer_ids = eng.run.layer_ids = layer_ids
-    eng.prefill([ids[0]], capacity=ids.shape[1] + 1)
     cmp = Comparison(layer_ids)
-    cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), eng.pending[0].float().cpu())
+    cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), runner_features(target, ids[0], layer_ids).float().cpu())
     rows = cmp.report()
     la = next((layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")), None)
     kernels = {k: f"{getattr(v, '__module__', '?')}.{getattr(v, '__name__', type(v).__name__)}"

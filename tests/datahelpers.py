@@ -29,18 +29,26 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0, context: int = 1024) -> Path:
-    """A random Llama with SmolLM2's vocabulary and tokenizer (chat template included)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0, context: int = 1024,
+                     hybrid: bool = False) -> Path:
+    """A random Llama (or, hybrid: a Qwen3.5-style model whose layers alternate Gated DeltaNet and
+    full attention) with SmolLM2's vocabulary and tokenizer (chat template included)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from dflashkit.data.chat import load_tokenizer
 
     tok = load_tokenizer()
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if hybrid:
+        cfg = Qwen3_5TextConfig(**common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=True,
+                                layer_types=["linear_attention", "full_attention"] * (num_layers // 2))
+        Qwen3_5ForCausalLM(cfg).save_pretrained(path)
+    else:
+        LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

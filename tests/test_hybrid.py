@@ -5,6 +5,8 @@ hybrid in fp32."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from dflashkit.data.features import online_features
 from dflashkit.decode import delta
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch, make_engine
-from dflashkit.decode.static import static_engine
+from dflashkit.decode.static import runner_features, static_engine
 from test_cache import _random_round
 from test_decode import Oracle, expected_taus, greedy_reference, oracle_proposals, ragged_prompts, sampling_pvalues
 
@@ -65,15 +67,15 @@ def test_extraction_equals_plain_forward(hybrid):
     hidden states."""
     taps = [0, 1, 3, 5]
     prompts = [torch.randint(3, 120, (n,)) for n in (150, 37, 70)]
-    runner_feats = static_engine(hybrid, None)
-    runner_feats.layer_ids = taps
-    runner_feats.run.layer_ids = taps
-    runner_feats.prefill(prompts, capacity=8)
+    batch = static_engine(hybrid, None)
+    batch.layer_ids = batch.run.layer_ids = taps
+    batch.prefill(prompts, capacity=8)
     for i, p in enumerate(prompts):
         hs = hybrid.model(p[None], output_hidden_states=True).hidden_states
         want = torch.cat([hs[j + 1] for j in taps], dim=-1)[0]  # hidden_states[0] is the embedding
         torch.testing.assert_close(online_features(hybrid, p[None], taps)[0], want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(runner_feats.pending[i, :len(p)], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(runner_features(hybrid, p, taps), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batch.pending[i, :len(p)], want, atol=1e-4, rtol=1e-4)
 
 
 def test_cache_after_commits_equals_fresh_prefill(hybrid):
@@ -143,3 +145,53 @@ def test_sampling_follows_target_distribution(method):
 def test_transformers_engine_refuses_hybrids(hybrid):
     with pytest.raises(ValueError, match="engine 'static'"):
         Engine(hybrid)
+
+
+def test_every_stage_on_a_hybrid_target(tmp_path, capsys):
+    """regenerate -> tokenize -> extract -> train (online and from the feature cache) -> eval ->
+    generate -> export -> doctor -> check-features -> serve, on a tiny Qwen3.5-style hybrid saved
+    with SmolLM2's tokenizer."""
+    from datahelpers import live_server, save_tiny_target
+    from dflashkit.cli import main
+
+    model = save_tiny_target(tmp_path / "hybrid", hybrid=True)
+    cpu = [f"target.path={model}", "target.device=cpu"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": q}) + "\n" for i, q in
+                               enumerate(["Say hi.", "Name a fruit.", "Count to three.", "Write a haiku."])))
+    assert main(["regenerate", "--out", str(tmp_path / "r.jsonl"), f"data.prompts={prompts}", "data.max_new_tokens=12", *cpu]) == 0
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 4
+    # A random model's answers may decode to nothing: train on written ones.
+    conv = tmp_path / "c.jsonl"
+    conv.write_text("".join(json.dumps({"id": str(i), "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                            + "\n" for i, (q, a) in enumerate([("Say hi.", "Hi there, how are you today?"),
+                                                               ("Name a fruit.", "An apple, or perhaps a pear."),
+                                                               ("Count to three.", "One, two, three. Done!")])))
+    assert main(["tokenize", "--input", str(conv), "--out", str(tmp_path / "t.jsonl"), *cpu]) == 0
+    small = ["drafter.num_layers=1", "drafter.num_taps=2", "drafter.block_size=4"]
+    assert main(["extract", "--input", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "f"), *small, *cpu]) == 0
+    train = ["train.max_steps=2", "train.batch_size=2", "train.anchors_per_seq=4", "train.eval_samples=1",
+             "train.eval_every=1", "train.tensorboard=false", f"data.tokenized={tmp_path / 't.jsonl'}", *small, *cpu]
+    assert main(["train", f"train.output_dir={tmp_path / 'on'}", *train]) == 0
+    assert main(["train", f"train.output_dir={tmp_path / 'off'}", f"data.features={tmp_path / 'f'}", *train]) == 0
+    drafter = tmp_path / "on" / "final"
+    capsys.readouterr()
+    assert main(["eval", "--drafter", f"mine={drafter}", "--prompts", str(prompts), "--limit", "2", "--max-new-tokens",
+                 "10", "--budgets", "4", "--out", str(tmp_path / "ev"), *cpu]) == 0
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    methods = report["drafters"]["mine"]["methods"]
+    assert methods["dflash"]["identical"] is True and methods["ddtree-4"]["identical"] is True, methods
+    assert main(["generate", "--prompt", "Say hi.", "--drafter", str(drafter), "--method", "ddtree", "--budget", "4",
+                 "--max-new-tokens", "6", *cpu]) == 0
+    assert main(["export", str(drafter), "--out", str(tmp_path / "exp")]) == 0
+    capsys.readouterr()
+    assert main(["doctor", str(drafter), *cpu]) == 0
+    out = capsys.readouterr().out
+    assert "2 linear attention (Gated DeltaNet)" in out and "static runner" in out and "kernels" in out, out
+    assert main(["check-features", "target:runner=static", "target", "--input", str(tmp_path / "t.jsonl"),
+                 "--min-cosine", "0.99999", "drafter.num_taps=2", *cpu]) == 0
+    with live_server("--drafter", str(drafter), *cpu) as url:
+        import httpx
+
+        r = httpx.post(f"{url}/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text

@@ -322,10 +322,46 @@ def doctor(drafter_dir: str | Path, target: Any, *, data: str | Path | None = No
     except CheckpointError as e:
         findings.append(Finding(ERROR, "weights", f"{e}: the weights do not match config.json; re-export the drafter"))
     findings += check_target(config, target)
+    findings += check_layers(target)
     if data is not None:
         findings += check_data(data, config, target.tokenizer, thinking=thinking, thinking_field=thinking_field,
                                limit=limit)
     return findings
+
+
+def check_layers(target: Any) -> list[Finding]:
+    """The target's layer kinds, the decoding engine that will run them and, for hybrids, which
+    Gated DeltaNet kernels run where."""
+    import importlib.util
+
+    from dflashkit.decode.static import supported
+
+    kinds = target.layer_kinds
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    window = getattr(target.config, "sliding_window", None)
+    names = {"full_attention": "full attention", "sliding_attention": f"sliding window ({window})",
+             "linear_attention": "linear attention (Gated DeltaNet)"}
+    found = [Finding(OK, "layers", f"{len(kinds)} layers: " + ", ".join(f"{n} {names.get(k, k)}" for k, n in counts.items()))]
+    why = supported(target)
+    if "linear_attention" not in counts:
+        engine = "the static runner (CUDA graphs on GPU)" if why is None else f"the Transformers runner ({why})"
+        return found + [Finding(OK, "decoding", f"eval, generate and serve run {engine}")]
+    if why is not None:
+        return found + [Finding(ERROR, "decoding", f"{why}: linear-attention layers must be rolled back after each "
+                                                    "draft, which only the static runner does for Qwen3.5-style layers; "
+                                                    "eval, generate and serve refuse this target")]
+    found.append(Finding(OK, "decoding", "eval, generate and serve run the static runner: the Gated DeltaNet state of "
+                                         "each draft tree in one block, rolled back to the accepted leaf (PyTorch, any device)"))
+    if importlib.util.find_spec("fla") is None:
+        found.append(Finding(WARNING, "kernels", "fla-core is not installed: extraction and online training run "
+                                                 "Transformers' PyTorch fallbacks for the linear layers (correct, slow on "
+                                                 "GPU); pip install 'dflashkit[fla]' there, then compare with "
+                                                 "`dflashkit check-features target:runner=static target`"))
+    else:
+        found.append(Finding(OK, "kernels", "fla-core installed: extraction and online training use its Triton kernels "
+                                            "for the linear layers; `dflashkit check-features target:runner=static "
+                                            "target` compares them with the decoding runner"))
+    return found
 
 
 def _positive(value: str) -> int:

@@ -2,7 +2,10 @@
 
 A source is a feature cache directory (`dflashkit extract` output) or the target itself
 (`target`, or `target:device=cuda,dtype=bfloat16,path=...`): two back-ends, devices, dtypes, a
-cache against a recompute, or bf16 against fp8. Per tapped layer: cosine similarity between the
+cache against a recompute, or bf16 against fp8. `runner=static` takes the features from the
+decoding engine's own layers instead of Transformers' forward: `target:runner=static target`
+checks that serving sees what training saw (for hybrids: the PyTorch delta rule against the
+installed GPU kernels). Per tapped layer: cosine similarity between the
 two feature vectors of each token (mean and min over tokens), max absolute error, and that error
 relative to the largest reference value.
 """
@@ -101,21 +104,26 @@ class TargetSource:
         from dflashkit.target import load_target
 
         opts = dict(kv.split("=", 1) for kv in spec.split(":", 1)[1].split(",") if kv) if ":" in spec else {}
-        unknown = set(opts) - {"path", "gguf_file", "device", "dtype"}
-        if spec.split(":", 1)[0] != "target" or unknown:
+        unknown = set(opts) - {"path", "gguf_file", "device", "dtype", "runner"}
+        if spec.split(":", 1)[0] != "target" or unknown or opts.get("runner", "hf") not in ("hf", "static"):
             raise ValueError(f"source {spec!r}: expected a feature cache directory or "
-                             "'target[:path=..,gguf_file=..,device=..,dtype=..]'")
-        self.name = spec
+                             "'target[:path=..,gguf_file=..,device=..,dtype=..,runner=hf|static]'")
+        self.name, self.runner = spec, opts.get("runner", "hf")
         self.target = load_target(opts.get("path", target_cfg.path), gguf_file=opts.get("gguf_file", target_cfg.gguf_file),
                                   dtype=opts.get("dtype", target_cfg.dtype),
                                   device=resolve_device(opts.get("device", target_cfg.device)))
         self.layer_ids: list[int] = []
 
     def features(self, sid: str, input_ids: list[int]) -> Tensor:
+        """runner=hf: Transformers' forward (what extraction and training see, with whatever kernels
+        are installed); runner=static: the decoding runner's own layers (what serving sees)."""
         from dflashkit.data.features import online_features
+        from dflashkit.decode.static import runner_features
 
         ids = torch.tensor([input_ids], device=self.target.device)
-        return online_features(self.target, ids, self.layer_ids)[0].float().cpu()
+        if self.runner == "hf":
+            return online_features(self.target, ids, self.layer_ids)[0].float().cpu()
+        return runner_features(self.target, ids[0], self.layer_ids).float().cpu()
 
 
 def compare_sources(a: Any, b: Any, samples: list[tuple[str, list[int]]], layer_ids: list[int]) -> list[LayerReport]:

@@ -421,3 +421,13 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     if graphs and drafter is not None:
         engine.draft_step = Graphs(step, lambda: engine.dcache.k.data_ptr())
     return engine
+
+
+@torch.no_grad()
+def runner_features(target: Target, ids: Tensor, layer_ids: list[int]) -> Tensor:
+    """ids [T] -> the tapped features [T, n_taps * H] as the static runner computes them (what
+    serving's drafter sees), to compare with Transformers' forward (what extraction saw)."""
+    engine = static_engine(target, None, cuda_graphs=False)
+    engine.layer_ids = engine.run.layer_ids = list(layer_ids)
+    engine.prefill([ids], capacity=len(ids) + 1)
+    return engine.pending[0]
