@@ -103,6 +103,61 @@ def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> l
     return [r.__dict__ for r in rows]
 
 
+def rollback_designs(shape: dict, device: torch.device, reps: int = 10) -> dict:
+    """The three ways to give each linear layer its state after the accepted prefix of a block of
+    q verified tokens, timed on the shape's state alone (batch 1, fp32 state, all linear layers):
+    fold (dflashkit: the state of the accepted leaf from the block's keys, updates and decays),
+    replay (re-run the recurrence over the accepted tokens from the pre-round state) and
+    snapshots (keep every token's state during verification, copy the accepted one back)."""
+    from dflashkit.decode import delta
+
+    L = sum(1 for i in range(shape["num_hidden_layers"]) if i % 4 != 3)
+    h, dk, dv = shape["linear_num_value_heads"], shape["linear_key_head_dim"], shape["linear_value_head_dim"]
+    state = torch.randn(L, 1, h, dk, dv, device=device)
+    out: dict = {"layers": L, "state_mib": state.nbytes / 2**20}
+
+    def timed(fn) -> float:
+        fn()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(device)
+        return 1e3 * (time.perf_counter() - t) / reps
+
+    for q in (16, 65):
+        a = q // 2  # accepted tokens
+        k = torch.nn.functional.normalize(torch.randn(L, 1, h, q, dk, device=device), dim=-1)
+        d, G = torch.randn(L, 1, h, q, dv, device=device), -torch.rand(L, 1, h, q, device=device).cumsum(-1)
+        incl = torch.ones(q, q, dtype=torch.bool, device=device).tril()[a - 1][None, None, None]
+        leaf = torch.full((L, 1, 1, 1), a - 1, device=device)
+        v, g, beta = torch.randn(L, 1, h, a, dv, device=device), -torch.rand(L, 1, h, a, device=device), torch.rand(L, 1, h, a, device=device)
+
+        def replay() -> None:
+            S = state.clone()
+            for t in range(a):
+                S = S * g[..., t, None, None].exp()
+                delta_t = (v[..., t, :] - (S * k[..., t, :, None]).sum(-2)) * beta[..., t, None]
+                S = S + k[..., t, :, None] * delta_t[..., None, :]
+            state.copy_(S)
+
+        snaps = None
+        try:
+            snaps = torch.empty(L, q, h, dk, dv, device=device)
+        except torch.OutOfMemoryError:
+            pass
+        r = {"fold_ms": timed(lambda: state.copy_(delta.fold(state, k, d, G, incl, leaf))),
+             "replay_ms": timed(replay), "accepted": a,
+             "snapshot_mib": q * state.nbytes / 2**20,
+             "snapshot_copy_ms": timed(lambda: state[:, 0].copy_(snaps[:, a - 1])) if snaps is not None else None}
+        out[f"q{q}"] = r
+        print(f"rollback, {L} layers, block of {q}, {a} accepted: fold {r['fold_ms']:.3f} ms | replay "
+              f"{r['replay_ms']:.3f} ms | snapshots {r['snapshot_mib']:.0f} MiB per sequence, copy back "
+              + (f"{r['snapshot_copy_ms']:.3f} ms" if r["snapshot_copy_ms"] is not None else "n/a"), flush=True)
+        del snaps
+    return out
+
+
 def state_memory(engine: Engine) -> dict:
     """Bytes per sequence of a hybrid's linear-layer state, and of what a verification leaves for
     its rollback (the last pass's block)."""
@@ -277,6 +332,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes of the same kind (CPU smoke test)")
     ap.add_argument("--check-features", action="store_true",
                     help="compare the runner's features with Transformers' forward per tapped layer (last)")
+    ap.add_argument("--rollback", action="store_true", help="hybrids: time the rollback designs on the state alone (first)")
     ap.add_argument("--layers", type=int, default=None, help="keep only this many of the target's layers")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on GPU")
     ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
@@ -307,6 +363,9 @@ def main() -> int:
     res["transformers"] = transformers.__version__
     res["self_check"] = self_check(device, hybrid)
     print(f"self-check (tiny, greedy == target.generate for every engine): {res['self_check']}", flush=True)
+    if args.rollback and hybrid:
+        res["rollback"] = rollback_designs(shape, device)
+        save()
     t_build = time.perf_counter()
     target, drafter = make_models(shape, device, dtype, drafter_layers=2 if args.tiny else 5)
     res["build_s"] = time.perf_counter() - t_build
