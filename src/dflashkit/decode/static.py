@@ -256,6 +256,12 @@ class StaticRunner:
         use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
         return (self.graphed if use_graph else self._step)(tokens, depths, ancestors, cache.lengths_t, n)
 
+    def eager(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """The same step without CUDA graphs, for a cache other than the engine's (a joining
+        request's prefill, `Engine.join`): graphs are captured over one cache's buffers."""
+        self.cache = cache
+        return self._step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET))
+
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
         g = self.heads // self.kv_heads
