@@ -332,6 +332,7 @@ def test_requests_join_a_running_batch(tiny_target, engine, fixed):
             alone = generate(make(), prompts[i], max_new_tokens=limits[i], method=method, budget=budget,
                              sampling=samplings[i])
             assert out[i].tokens == seen[i] == alone.tokens and out[i].finish_reason == "length", (method, i)
+            assert out[i].accept_lengths == alone.accept_lengths, (method, i)  # the drafter saw the same context
         assert out[0].tokens == greedy_reference(tiny_target, prompts[0][None], limits[0])
         assert not out[2].finish_reason and 0 < len(out[2].tokens) < limits[2]
     # A request that ends at its first token, joining when nothing else runs: the stream still ends.

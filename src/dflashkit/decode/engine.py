@@ -210,6 +210,13 @@ class Engine:
         features, as if prefilled with the others. -> logits at each prompt's last token [m, V]."""
         new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
         logits = new.prefill(prompts, capacity=0)  # the caches here make the room (`KVCache.put_rows`)
+        if self.dcache is not None and self.dcache.k is not None:
+            # The drafter takes the prompts' features now, over these m rows only, so that the
+            # batch's next draft sees at most a block of new features per row (its CUDA graph)
+            # instead of a pass over all b rows at prompt length. The block drafted here is
+            # dropped: the batch's next draft writes it again at the same slots.
+            new.draft(torch.zeros(len(prompts), dtype=torch.long, device=logits.device))
+            new.pending, new.pending_counts = new.pending[:, :0], [0] * len(prompts)
         self.cache.put_rows(new.cache, rows)
         if self.dcache is not None:
             self.dcache.put_rows(new.dcache, rows)
