@@ -204,10 +204,11 @@ class Engine:
         self.pending_counts = [len(p) for p in paths]
 
     @torch.no_grad()
-    def join(self, prompts: Sequence[Tensor], rows: Sequence[int]) -> Tensor:
+    def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
         """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
         of this batch, or indices from `batch` on to append): their caches, lengths and pending
-        features, as if prefilled with the others. -> logits at each prompt's last token [m, V]."""
+        features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
+        -> logits at each prompt's last token [m, V]."""
         new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
         logits = new.prefill(prompts, capacity=0)  # the caches here make the room (`KVCache.put_rows`)
         if self.dcache is not None and self.dcache.k is not None:
@@ -218,8 +219,10 @@ class Engine:
             new.draft(torch.zeros(len(prompts), dtype=torch.long, device=logits.device))
             new.pending, new.pending_counts = new.pending[:, :0], [0] * len(prompts)
         self.cache.put_rows(new.cache, rows)
+        self.cache.reserve(capacity)
         if self.dcache is not None:
             self.dcache.put_rows(new.dcache, rows)
+            self.dcache.reserve(capacity + self.drafter.config.block_size)
         w, extra = max(self.pending.shape[1], new.pending.shape[1]), self.batch - len(self.pending_counts)
         pending = self.pending.new_zeros(self.batch, w, self.pending.shape[2])
         pending[:len(self.pending_counts), :self.pending.shape[1]] = self.pending

@@ -149,10 +149,11 @@ class _Row:
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
+Step = list[tuple[int, list[int], Generation]]  # one yield of the stream: (index, new tokens, Generation) per row
 
 
 def _start(engine: Engine, requests: Sequence[Request], first: int, method: str, budget: int | None,
-           prefill: Callable[[list[Tensor], int], Tensor]) -> tuple[list[_Row], Tensor, list[tuple[int, list[int], Generation]]]:
+           prefill: Callable[[list[Tensor], int], Tensor]) -> tuple[list[_Row], Tensor, Step]:
     """Prefill `requests` (numbered from `first`) through `prefill(prompts, capacity)` -> their
     rows, first tokens on the device [m] and the stream step that reports them."""
     for r in requests:
@@ -191,7 +192,7 @@ def decode_stream(
     admit: Admit | None = None,
     profile: bool = False,
     cost_aware: bool = False,
-) -> Iterator[list[tuple[int, list[int], Generation]]]:
+) -> Iterator[Step]:
     """Decode every prompt to its first stop token (included) or its token limit. Yields, after
     the prefill and after each round, (prompt index, newly committed tokens, its running
     `Generation`) for each row that was still running. Per row, the tokens, τ per round and
@@ -243,7 +244,7 @@ def decode_stream(
             idle = [k for k, r in enumerate(running) if not r]  # only on a fixed-rows engine
             places = (idle + list(range(len(rows), len(rows) + len(joining))))[:len(joining)]
             new, first, step = _start(engine, joining, admitted, method, budget,
-                                      lambda ps, room: engine.join(ps, places))
+                                      lambda ps, room: engine.join(ps, places, capacity=room))
             admitted += len(joining)
             bonus = torch.cat([bonus, first[len(idle):]])  # appended rows come after the idle ones
             bonus[torch.tensor(places, device=dev)] = first
@@ -339,8 +340,8 @@ class DecodingGenerator:
         numbered on from `requests`. A finished request's stats carry `batch_size`: the rows of
         the batch in its last round."""
         def convert(items: Sequence[tuple[list[int], dict[str, Any]]]) -> list[Request]:
-            return [Request(torch.tensor(ids), kw["max_new_tokens"], Sampling(kw["temperature"], kw["top_p"], kw["seed"]),
-                            kw["stop_ids"]) for ids, kw in items]
+            return [Request(torch.tensor(ids), kw["max_new_tokens"],
+                            Sampling(kw["temperature"], kw["top_p"], kw["seed"]), kw["stop_ids"]) for ids, kw in items]
 
         first = convert(requests)
         steps = decode_stream(
@@ -349,7 +350,8 @@ class DecodingGenerator:
             stop_ids=[r.stop_ids for r in first], cancelled=cancelled,
             admit=None if admit is None else lambda running: convert(admit(running)))
         for step in steps:
-            yield [(i, GenerationChunk(new, g.finish_reason, {**usage_stats(g, self.label), "batch_size": self.engine.batch})
+            stats = {"batch_size": self.engine.batch}
+            yield [(i, GenerationChunk(new, g.finish_reason, {**usage_stats(g, self.label), **stats})
                     if g.finish_reason else GenerationChunk(new)) for i, new, g in step]
 
     def generate(self, input_ids: list[int], **kw: Any) -> Iterator[GenerationChunk]:
