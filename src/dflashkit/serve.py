@@ -30,12 +30,13 @@ import logging
 import os
 import queue
 import socket
+import subprocess
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, closing
+from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -544,6 +545,40 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
     return app
 
 
+# ---- a server in a subprocess (tests, benchmarks) -----------------------------------------------
+
+
+@contextmanager
+def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> Iterator[str]:
+    """Run a server command (`dflashkit serve --port 0 ...`) in a subprocess for the block; yields
+    the base URL (…/v1) of its 'listening on URL' line (printed by `run`), then stops it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # keep draining its output so that the server never blocks on a full pipe
+        for line in proc.stdout:
+            lines.append(line)
+            if "listening on" in line and not url:
+                url.append(line.split("listening on", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not ready.wait(timeout) or not url:
+            raise RuntimeError(f"the server did not start: {' '.join(cmd)}\n" + "".join(lines[-30:]))
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 
 
@@ -559,7 +594,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "acceptance statistics are added to each response's usage block")
     p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
-                   help="decode up to N queued requests as one batch (default 1: one at a time)")
+                   help="decode up to N requests as one batch that requests join and leave between rounds "
+                   "(continuous batching; default 1: one at a time)")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
                    help="decoding engine: auto = static with CUDA graphs on a GPU where supported, else Transformers")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
