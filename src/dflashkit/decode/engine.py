@@ -217,6 +217,7 @@ class Engine:
             # instead of a pass over all b rows at prompt length. The block drafted here is
             # dropped: the batch's next draft writes it again at the same slots.
             new.draft(torch.zeros(len(prompts), dtype=torch.long, device=logits.device))
+        if self.dcache is None or self.dcache.k is not None:  # no drafter will read them (again)
             new.pending, new.pending_counts = new.pending[:, :0], [0] * len(prompts)
         self.cache.put_rows(new.cache, rows)
         self.cache.reserve(capacity)
