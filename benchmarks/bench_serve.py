@@ -9,7 +9,7 @@ whole run (wall time), time to first token (first streamed text) and request lat
 p99, and failed requests.
 
 Servers: `--url` points at running ones; `--pythonpath DIR` launches `dflashkit serve` from the
-checkout whose package lies in DIR (e.g. an older commit's `git worktree`), `--server-cmd CMD`
+checkout whose package lies in DIR (e.g. an older commit's `src`, unpacked as below), `--server-cmd CMD`
 launches a command line; launched servers get `--port 0 SERVER_ARGS` and run one after another,
 so several servers compare side by side in one run with the same arguments and load:
 

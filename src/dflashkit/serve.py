@@ -135,12 +135,13 @@ class Engine:
         self.counters["completed" if job.finished else "cancelled"] += 1
         job.put(None)
 
-    def _live(self, jobs: list[_Job]) -> list[_Job]:
-        """`jobs` less those cancelled while queued, which are ended here."""
-        for job in jobs:
-            if job.cancelled.is_set():
-                self._end(job)
-        return [j for j in jobs if not j.cancelled.is_set()]
+    def _wanted(self, job: _Job) -> bool:
+        """False for a job cancelled while queued, which is ended here (the flag is read once: it
+        may change meanwhile)."""
+        if job.cancelled.is_set():
+            self._end(job)
+            return False
+        return True
 
     def _take(self, n: int) -> list[_Job]:
         """Up to n queued jobs that still want an answer, without waiting."""
@@ -153,7 +154,8 @@ class Engine:
             if job is None:  # closed: leave the mark for `_work`
                 self.jobs.put(None)
                 break
-            jobs += self._live([job])
+            if self._wanted(job):
+                jobs.append(job)
         return jobs
 
     def _run_batch(self, first: _Job) -> None:
@@ -170,13 +172,16 @@ class Engine:
 
         def cancelled(i: int) -> bool:
             # The loop steps a row no more once this is true (and asks again only for an idle
-            # row), so the job ends here, at once.
+            # row, whose job has ended), so the job ends here, at once.
             job = self.running.get(i)
-            if job is not None and job.cancelled.is_set():
+            if job is None:
+                return True
+            if job.cancelled.is_set():
                 self._end(self.running.pop(i))
-            return job is None or job.cancelled.is_set()
+                return True
+            return False
 
-        jobs = self._live([first]) + self._take(self.max_batch - 1)
+        jobs = ([first] if self._wanted(first) else []) + self._take(self.max_batch - 1)
         if not jobs:
             return
         try:
