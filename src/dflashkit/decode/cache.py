@@ -150,7 +150,7 @@ class KVCache:
         n = max(src.lengths)
         self.reserve(n)
         idx = torch.tensor(list(rows), device=self.k.device)
-        for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # per-row state: every buffer with rows on dim 1
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # rows on dim 1; only committed slots move
             mine[:, idx, :, :n] = theirs[:, :, :, :n]
 
 def is_chain(path: Sequence[int]) -> bool:

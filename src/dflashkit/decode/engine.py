@@ -209,6 +209,8 @@ class Engine:
         of this batch, or indices from `batch` on to append): their caches, lengths and pending
         features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
         -> logits at each prompt's last token [m, V]."""
+        # Fresh caches for the m prompts; a runner with CUDA graphs runs them without (its graphs
+        # are captured over this engine's cache).
         new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
         logits = new.prefill(prompts, capacity=0)  # the caches here make the room (`KVCache.put_rows`)
         if self.dcache is not None and self.dcache.k is not None:
