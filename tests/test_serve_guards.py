@@ -3,7 +3,8 @@ fields, slow tokenisation, and SIGTERM with a long request in flight.
 
 Most tests run the app in this process over a generator that never ends by itself (so a request
 is in flight for as long as a test needs, and only a cancellation ends it); conditions are polled
-on /health, never timed. The SIGTERM test runs a real `dflashkit serve` on a tiny random target."""
+on /health, never timed. The SIGTERM test runs a real `dflashkit serve` on a tiny random target; the
+continuous-batching test runs the real round loop on one, in this process."""
 
 from __future__ import annotations
 
