@@ -153,6 +153,7 @@ class KVCache:
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # rows on dim 1; only committed slots move
             mine[:, idx, :, :n] = theirs[:, :, :, :n]
 
+
 def is_chain(path: Sequence[int]) -> bool:
     """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""
     return list(path) == list(range(len(path)))
