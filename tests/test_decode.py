@@ -337,9 +337,11 @@ def test_requests_join_a_running_batch(tiny_target, engine, fixed):
         assert not out[2].finish_reason and 0 < len(out[2].tokens) < limits[2]
     # A request that ends at its first token, joining when nothing else runs: the stream still ends.
     arriving = [[Request(prompts[1], 1)]]
-    steps = list(decode_stream(make(), [prompts[0]], max_new_tokens=1, method="ar",
+    eng = make()
+    eng.fixed_rows = fixed  # into the idle row, or into an empty batch
+    steps = list(decode_stream(eng, [prompts[0]], max_new_tokens=1, method="ar",
                                admit=lambda running: arriving.pop() if arriving else []))
-    assert [[(i, len(new)) for i, new, _ in s] for s in steps] == [[(0, 1)], [(1, 1)]]
+    assert [[(i, len(new)) for i, new, _ in s] for s in steps] == [[(0, 1)], [(1, 1)]] and eng.batch == 1
 
 
 def test_request_errors(tiny_target):
