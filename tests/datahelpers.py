@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+
+from dflashkit.serve import subprocess_server
 
 # Test process and child processes share the machine's cores; one thread each avoids the
 # oversubscription that makes 2-thread torch several times slower on a busy 2-core box.
@@ -66,31 +67,9 @@ def start_cli(*args: str) -> subprocess.Popen:
 @contextmanager
 def live_server(*args: str, timeout: float = 180):
     """`dflashkit serve --port 0 ARGS` in a subprocess; yields its base URL (…/v1)."""
-    proc = start_cli("serve", "--port", "0", *args)
-    lines: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:  # keep draining stdout so that the server never blocks on a full pipe
-        for line in proc.stdout:
-            lines.append(line)
-            if "listening on" in line and not url:
-                url.append(line.split("listening on", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        if not ready.wait(timeout) or not url:
-            raise RuntimeError("dflashkit serve did not start:\n" + "".join(lines[-30:]))
-        yield url[0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with subprocess_server([sys.executable, "-m", "dflashkit.cli", "serve", "--port", "0", *args], CHILD_ENV,
+                           timeout) as url:
+        yield url
 
 
 def wait_until(done, proc: subprocess.Popen, timeout: float = 120) -> bool:

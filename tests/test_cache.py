@@ -34,6 +34,22 @@ def test_commit_moves_each_rows_path_to_its_length():
     assert kv.lengths == [3] and kv.k.shape[1] == 1 and kv.k[0, 0, 0, 1, 0] == 110
 
 
+def test_put_rows_fills_idle_rows_and_appends():
+    kv, src = KVCache(1), KVCache(1)
+    kv.start(2, torch.device("cpu"))
+    kv.reserve(4)
+    kv.write(0, torch.ones(2, 1, 2, 1), torch.ones(2, 1, 2, 1), torch.tensor([[0, 1]] * 2))
+    kv.advance([2, 1])
+    src.start(2, torch.device("cpu"))
+    src.reserve(100)  # more slots than kv holds: kv grows
+    new = torch.tensor([[7.0, 8, 9], [5, 6, 0]]).view(2, 1, 3, 1)
+    src.write(0, new, new, torch.tensor([[0, 1, 2]] * 2))
+    src.advance([3, 2])
+    kv.put_rows(src, [1, 2])  # row 1 taken again, row 2 appended
+    assert kv.lengths == [2, 3, 2] and kv.lengths_t.tolist() == [2, 3, 2] and kv.capacity >= 100
+    assert kv.k[0, :, 0, :3, 0].tolist() == [[1, 1, 0], [7, 8, 9], [5, 6, 0]] and torch.equal(kv.k, kv.v)
+
+
 def _random_round(engine, gen: torch.Generator, V: int):
     """A random tree per row (a chain for some), verified and committed along a random path."""
     b = engine.batch

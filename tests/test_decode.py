@@ -18,7 +18,7 @@ from dflashkit.decode import loop as loop_mod
 from dflashkit.decode.command import chat_ids
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Sampling, target_tokens
-from dflashkit.decode.loop import decode_stream, generate, generate_batch
+from dflashkit.decode.loop import Request, decode_stream, generate, generate_batch
 from dflashkit.decode.static import static_engine
 from dflashkit.decode.tree import Tree, build_tree, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
@@ -291,6 +291,61 @@ def test_finished_rows_can_stay_idle(tiny_target, engine):
         for i in (0, 1):
             assert gens[i].tokens == greedy_reference(tiny_target, prompts[i], limits[i]), (method, i)
         assert not gens[2].finish_reason and 0 < len(gens[2].tokens) < limits[2]
+
+
+@pytest.mark.parametrize("engine,fixed", [("hf", False), ("static", True)])
+def test_requests_join_a_running_batch(tiny_target, engine, fixed):
+    """Continuous batching: requests admitted between rounds decode exactly as alone (greedy and
+    a seeded sample), whatever the round they arrive in; a finished or cancelled row is free for
+    the next request at once. With fixed rows the joining requests take the idle rows (the batch
+    never grows past 3 rows for 5 requests); otherwise finished rows leave and new ones append."""
+    check_joins(tiny_target, ENGINES[engine], fixed)
+
+
+def check_joins(tiny_target: Target, make_engine, fixed: bool) -> None:
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = [p[0] for p in ragged_prompts(6, (16, 7, 20, 11, 25))]
+    limits = [14, 3, 40, 9, 12]
+    samplings = [Sampling(), Sampling(), Sampling(), Sampling(1.0, 0.9, seed=3), Sampling()]
+    arrivals = {1: [1, 2], 3: [3], 4: [4]}  # admit call -> prompts that arrive then (stream index = order)
+    for method, budget in [("ar", None), ("dflash", None), ("ddtree", 10)]:
+        make = lambda: make_engine(tiny_target, drafter if method != "ar" else None)  # noqa: E731
+        eng = make()
+        eng.fixed_rows = fixed
+        calls, sizes, order = [0], [], [0]
+
+        def admit(running: int) -> list[Request]:
+            calls[0] += 1
+            sizes.append(eng.batch)
+            order.extend(arrivals.get(calls[0], []))
+            return [Request(prompts[i], limits[i], samplings[i]) for i in arrivals.get(calls[0], [])]
+
+        def cancelled(i: int) -> bool:  # prompt 2's client leaves before the fourth admission
+            return order[i] == 2 and calls[0] >= 3
+
+        out, seen = {}, {i: [] for i in range(5)}
+        for step in decode_stream(eng, [prompts[0]], max_new_tokens=limits[0], method=method, budget=budget,
+                                  admit=admit, cancelled=cancelled):
+            for i, new, g in step:
+                out[order[i]] = g
+                seen[order[i]] += new
+        assert sorted(out) == [0, 1, 2, 3, 4] and sizes[:4] == [1, 3, 3, 3], (method, sizes)
+        if fixed:
+            assert eng.batch == 3 and max(sizes) == 3, method  # rows 1 and 2 were taken again
+        for i in (0, 1, 3, 4):
+            alone = generate(make(), prompts[i], max_new_tokens=limits[i], method=method, budget=budget,
+                             sampling=samplings[i])
+            assert out[i].tokens == seen[i] == alone.tokens and out[i].finish_reason == "length", (method, i)
+            assert out[i].accept_lengths == alone.accept_lengths, (method, i)  # the drafter saw the same context
+        assert out[0].tokens == greedy_reference(tiny_target, prompts[0][None], limits[0])
+        assert not out[2].finish_reason and 0 < len(out[2].tokens) < limits[2]
+    # A request that ends at its first token, joining when nothing else runs: the stream still ends.
+    arriving = [[Request(prompts[1], 1)]]
+    eng = make()
+    eng.fixed_rows = fixed  # into the idle row, or into an empty batch
+    steps = list(decode_stream(eng, [prompts[0]], max_new_tokens=1, method="ar",
+                               admit=lambda running: arriving.pop() if arriving else []))
+    assert [[(i, len(new)) for i, new, _ in s] for s in steps] == [[(0, 1)], [(1, 1)]] and eng.batch == 1
 
 
 def test_request_errors(tiny_target):

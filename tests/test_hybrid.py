@@ -18,7 +18,8 @@ from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch, make_engine
 from dflashkit.decode.static import runner_features, static_engine
 from test_cache import _random_round
-from test_decode import Oracle, expected_taus, greedy_reference, oracle_proposals, ragged_prompts, sampling_pvalues
+from test_decode import (Oracle, check_joins, expected_taus, greedy_reference, oracle_proposals, ragged_prompts,
+                         sampling_pvalues)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]
@@ -140,6 +141,12 @@ def test_multi_token_acceptance(hybrid, method):
 def test_sampling_follows_target_distribution(method):
     target = make_tiny_hybrid(vocab=8, seed=5, layers="LA")
     assert min(sampling_pvalues(target, static_engine, method, peak=40.0)) > 1e-3
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_requests_join_a_running_batch(hybrid, fixed):
+    """Continuous batching on a hybrid: joining rows bring their conv and recurrent states."""
+    check_joins(hybrid, static_engine, fixed)
 
 
 def test_transformers_engine_refuses_hybrids(hybrid):

@@ -5,6 +5,7 @@ for the whole module; short max_tokens keep it cheap."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -101,37 +102,53 @@ def test_concurrent_requests(client, server):
 
 def test_max_batch_dflash_concurrent_requests(smollm2):
     """`serve --drafter DIR --max-batch 4`: concurrent requests (chat, streamed chat, completion,
-    sampled completion) are decoded together; each greedy answer is the target's own, and a seeded
-    sample is the same in a batch as alone."""
+    sampled completion) join a batch that a long streamed request is already decoding (in either
+    arrival order; the last one waits for a free row); each greedy answer is the target's own,
+    and a seeded sample is the same in a batch as alone."""
     from dflashkit.demo import bundled_drafter_dir
 
     code = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    tok = smollm2.tokenizer
     with live_server("--drafter", str(bundled_drafter_dir()), "--max-batch", "4") as url:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
 
-        def chat(i: int):
+        def streamed(n: int, started: threading.Event | None = None):
+            text, usage = "", None
+            for c in client.chat.completions.create(model=MODEL, messages=code, max_tokens=n, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+                text += (c.choices[0].delta.content or "") if c.choices else ""
+                usage = c.usage or usage
+                if text and started is not None:
+                    started.set()  # its first token is out: it is decoding
+            return text, usage
+
+        def chat():
             return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
 
-        def streamed(i: int):
-            chunks = list(client.chat.completions.create(model=MODEL, messages=code, max_tokens=12, temperature=0,
-                                                         stream=True, stream_options={"include_usage": True}))
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
-
-        def completion(i: int):
+        def completion():
             return client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0)
 
-        def sampled(i: int):
+        def sampled():
             return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7)
 
-        with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(f, 0) for f in (chat, streamed, completion, sampled)]
-            r_chat, (text, u_stream), r_comp, r_samp = [f.result() for f in futures]
-        alone = sampled(0)
-    tok = smollm2.tokenizer
-    assert r_chat.choices[0].message.content == tok.decode(greedy(smollm2, prompt_ids(tok, CHAT), 10), skip_special_tokens=True)
-    assert text == tok.decode(greedy(smollm2, prompt_ids(tok, code), 12), skip_special_tokens=True)
-    assert r_comp.choices[0].text == tok.decode(greedy(smollm2, tok("def fibonacci(n):")["input_ids"], 8))
-    assert r_samp.choices[0].text == alone.choices[0].text and alone.usage.model_dump()["batch_size"] == 1
-    usages = [r_chat.usage.model_dump(), u_stream.model_dump(), r_comp.usage.model_dump(), r_samp.usage.model_dump()]
-    assert all(u["decoding"] == "dflash" and u["tau"] >= 1 for u in usages)
-    assert max(u["batch_size"] for u in usages) > 1, "the concurrent requests were not batched"
+        runs = []
+        for order in (1, -1):
+            started = threading.Event()
+            with ThreadPoolExecutor(5) as pool:
+                long = pool.submit(streamed, 40, started)
+                assert started.wait(120)
+                futures = [pool.submit(f) for f in (chat, lambda: streamed(12), completion, sampled)[::order]][::order]
+                runs.append([long.result()] + [f.result() for f in futures])
+        alone = sampled()
+    assert alone.usage.model_dump()["batch_size"] == 1
+    for (l_text, u_long), r_chat, (text, u_stream), r_comp, r_samp in runs:
+        assert l_text == tok.decode(greedy(smollm2, prompt_ids(tok, code), 40), skip_special_tokens=True)
+        assert r_chat.choices[0].message.content == tok.decode(greedy(smollm2, prompt_ids(tok, CHAT), 10),
+                                                               skip_special_tokens=True)
+        assert text == tok.decode(greedy(smollm2, prompt_ids(tok, code), 12), skip_special_tokens=True)
+        assert r_comp.choices[0].text == tok.decode(greedy(smollm2, tok("def fibonacci(n):")["input_ids"], 8))
+        assert r_samp.choices[0].text == alone.choices[0].text
+        usages = [u_long.model_dump(), r_chat.usage.model_dump(), u_stream.model_dump(), r_comp.usage.model_dump(),
+                  r_samp.usage.model_dump()]
+        assert all(u["decoding"] == "dflash" and u["tau"] >= 1 for u in usages)
+        assert max(u["batch_size"] for u in usages) > 1, "the requests were not batched"

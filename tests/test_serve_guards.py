@@ -3,7 +3,8 @@ fields, slow tokenisation, and SIGTERM with a long request in flight.
 
 Most tests run the app in this process over a generator that never ends by itself (so a request
 is in flight for as long as a test needs, and only a cancellation ends it); conditions are polled
-on /health, never timed. The SIGTERM test runs a real `dflashkit serve` on a tiny random target."""
+on /health, never timed. The SIGTERM test runs a real `dflashkit serve` on a tiny random target; the
+continuous-batching test runs the real round loop on one, in this process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -189,3 +191,61 @@ def test_sigterm_stops_the_server_with_a_long_request_in_flight(long_context_tar
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class Spy:
+    """A batched generator that records, for every admission, the rows running and the requests joining."""
+
+    def __init__(self, generator):
+        self.generator, self.joined = generator, []
+
+    def generate(self, input_ids, **kw):
+        return self.generator.generate(input_ids, **kw)
+
+    def generate_batch(self, requests, cancelled, admit=None):
+        def spy(rows):
+            new = admit(rows)
+            if new:
+                self.joined.append((rows, len(new)))
+            return new
+
+        return self.generator.generate_batch(requests, cancelled, spy)
+
+
+def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
+    """`--max-batch 2` over the real round loop (tiny random target and drafter): two endless
+    requests fill the batch and a third waits; when one client disconnects, the third joins the
+    running batch beside the other (which keeps running), and its answer is what it decodes alone."""
+    import torch
+
+    from conftest import make_tiny_drafter, make_tiny_target
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.loop import DecodingGenerator, generate
+    from dflashkit.vocab import stop_token_ids
+
+    target = make_tiny_target()
+    target.config.max_position_embeddings = 1 << 20  # requests without a short limit run until cancelled
+    drafter = make_tiny_drafter(target)
+    spy = Spy(DecodingGenerator(Engine(target, drafter)))
+    endless = {"prompt": [5, 6, 7, 8], "max_tokens": 100_000, "stream": True}
+    short = {"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0}
+    with serving(build_app(fake_target(tokenizer), spy, max_batch=2)) as url:
+        a = raw_request(url, "/v1/completions", endless)
+        b = raw_request(url, "/v1/completions", endless)
+        assert poll(lambda: health(url)["running"] == 2)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{url}/v1/completions", json=short, timeout=120)
+            assert poll(lambda: health(url)["queued"] == 1)
+            a.close()
+            r = answer.result()
+        assert r.status_code == 200 and poll(lambda: health(url)["running"] == 1)  # b still runs
+        assert spy.joined[-1] == (1, 1)  # the third request joined beside b (b may have joined a too)
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 5 and usage["batch_size"] == 2
+        b.close()
+        assert poll(lambda: health(url)["running"] == 0 and health(url)["cancelled"] == 2)
+        assert health(url)["completed"] == 1
+    stops = stop_token_ids(tokenizer, None)
+    alone = generate(Engine(target, drafter), torch.tensor(short["prompt"]), max_new_tokens=5, stop_ids=stops)
+    assert r.json()["choices"][0]["text"] == tokenizer.decode([t for t in alone.tokens if t not in stops],
+                                                              skip_special_tokens=True)

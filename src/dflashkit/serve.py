@@ -9,9 +9,9 @@ stats dict at the end that is merged into the response's `usage` block; `decode/
 drafter, DFlash or DDTree with one.
 
 One worker thread owns the model and runs requests in arrival order (`Engine`): concurrent
-requests queue instead of racing on the model and its KV cache. With `--max-batch N` the worker
-takes up to N queued requests at once and decodes them as one batch; requests arriving
-meanwhile wait for the next batch.
+requests queue instead of racing on the model and its KV cache. With `--max-batch N` it decodes
+up to N requests as one batch that requests join and leave between rounds (continuous
+batching): a request waits only while N others are running.
 
 Running for days: a request whose client disconnected is cancelled (streaming or not), so the
 engine moves on; at most `--max-queue` requests wait (503 beyond, with Retry-After); request bodies
@@ -30,12 +30,13 @@ import logging
 import os
 import queue
 import socket
+import subprocess
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, closing
+from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,21 @@ class QueueFull(Exception):
 
 
 class Engine:
-    """Runs generation requests in arrival order on a worker thread that owns the model; with
-    `max_batch` > 1 (a `BatchedGenerator`), up to that many queued requests at once. At most
-    `max_queue` requests wait (`submit` raises `QueueFull` beyond); `close` cancels every job."""
+    """Runs generation requests in arrival order on a worker thread that owns the model. A
+    `BatchedGenerator` decodes a running batch that requests join between rounds (continuous
+    batching), up to `max_batch` rows at once; a finished or cancelled request leaves it at once.
+    Another generator runs one request at a time. At most `max_queue` requests wait (`submit`
+    raises `QueueFull` beyond); `close` cancels every job."""
 
     def __init__(self, generator: Generator, max_batch: int = 1, max_queue: int = 0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_batch > 1 and not hasattr(generator, "generate_batch"):
+        self.batched = hasattr(generator, "generate_batch")
+        if max_batch > 1 and not self.batched:
             raise ValueError(f"{type(generator).__name__} decodes one request at a time; max_batch must be 1")
         self.generator, self.max_batch, self.max_queue = generator, max_batch, max_queue
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.running: list[_Job] = []  # being generated now
+        self.running: dict[int, _Job] = {}  # being generated now, by their index in the batch's stream
         # cancelled: ended before the last token (client gone, stop string, shutdown, error)
         self.counters = {"completed": 0, "cancelled": 0}
         self.closed = False
@@ -113,7 +117,7 @@ class Engine:
             if job is not None:
                 job.cancelled.set()
                 self._end(job)
-        for job in list(self.running):
+        for job in list(self.running.values()):
             job.cancelled.set()
         self.jobs.put(None)
 
@@ -122,47 +126,84 @@ class Engine:
             first = self.jobs.get()
             if first is None:  # closed
                 return
-            jobs = [first]
-            while len(jobs) < self.max_batch and not self.jobs.empty():
-                nxt = self.jobs.get()
-                if nxt is None:
-                    self.jobs.put(None)
-                    break
-                jobs.append(nxt)
-            self.running = jobs
-            try:
-                if self.max_batch == 1:
-                    self._run(jobs[0])
-                else:
-                    self._run_batch(jobs)
-            finally:
-                self.running = []
+            if self.batched:
+                self._run_batch(first)
+            else:
+                self._run(first)
 
     def _end(self, job: _Job) -> None:
         self.counters["completed" if job.finished else "cancelled"] += 1
         job.put(None)
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
-        gone = [j.cancelled.is_set() for j in jobs]  # gone while queued (read once: it may change)
-        for j in (j for j, g in zip(jobs, gone) if g):
-            self._end(j)
-        jobs = [j for j, g in zip(jobs, gone) if not g]
+    def _wanted(self, job: _Job) -> bool:
+        """False for a job cancelled while queued, which is ended here (the flag is read once: it
+        may change meanwhile)."""
+        if job.cancelled.is_set():
+            self._end(job)
+            return False
+        return True
+
+    def _take(self, n: int) -> list[_Job]:
+        """Up to n queued jobs that still want an answer, without waiting."""
+        jobs: list[_Job] = []
+        while len(jobs) < n:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:  # closed: leave the mark for `_work`
+                self.jobs.put(None)
+                break
+            if self._wanted(job):
+                jobs.append(job)
+        return jobs
+
+    def _run_batch(self, first: _Job) -> None:
+        """One stream of the round loop, from `first` and whatever else is queued, until no row
+        runs and nobody waits; before every round, queued jobs take the rows left free."""
+        admitted = 0  # jobs in this stream so far: the next one's index
+
+        def add(jobs: list[_Job]) -> list[tuple[list[int], dict[str, Any]]]:
+            nonlocal admitted
+            for job in jobs:
+                self.running[admitted] = job
+                admitted += 1
+            return [(j.input_ids, j.params) for j in jobs]
+
+        def cancelled(i: int) -> bool:
+            # The loop steps a row no more once this is true (and asks again only for an idle
+            # row, whose job has ended), so the job ends here, at once.
+            job = self.running.get(i)
+            if job is None:
+                return True
+            if job.cancelled.is_set():
+                self._end(self.running.pop(i))
+                return True
+            return False
+
+        jobs = ([first] if self._wanted(first) else []) + self._take(self.max_batch - 1)
+        if not jobs:
+            return
         try:
-            steps = self.generator.generate_batch([(j.input_ids, j.params) for j in jobs],
-                                                  cancelled=lambda i: jobs[i].cancelled.is_set())
+            steps = self.generator.generate_batch(add(jobs), cancelled=cancelled,
+                                                  admit=lambda rows: add(self._take(self.max_batch - rows)))
             with closing(steps):
                 for step in steps:
                     for i, chunk in step:
-                        jobs[i].put(chunk)
+                        self.running[i].put(chunk)
+                        if chunk.finish_reason:
+                            self._end(self.running.pop(i))
         except Exception as e:  # reported to every request of the batch, the server keeps serving
             log.exception("batched generation failed")
-            for j in jobs:
-                j.put(e)
+            for job in self.running.values():
+                job.put(e)
         finally:
-            for j in jobs:
-                self._end(j)
+            for job in self.running.values():
+                self._end(job)
+            self.running.clear()
 
     def _run(self, job: _Job) -> None:
+        self.running[0] = job
         try:
             if not job.cancelled.is_set():
                 with closing(self.generator.generate(job.input_ids, **job.params)) as chunks:
@@ -174,6 +215,7 @@ class Engine:
             log.exception("generation failed")
             job.put(e)
         finally:
+            self.running.clear()
             self._end(job)
 
 
@@ -508,6 +550,40 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
     return app
 
 
+# ---- a server in a subprocess (tests, benchmarks) -----------------------------------------------
+
+
+@contextmanager
+def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> Iterator[str]:
+    """Run a server command (`dflashkit serve --port 0 ...`) in a subprocess for the block; yields
+    the base URL (…/v1) of its 'listening on URL' line (printed by `run`), then stops it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # keep draining its output so that the server never blocks on a full pipe
+        for line in proc.stdout:
+            lines.append(line)
+            if "listening on" in line and not url:
+                url.append(line.split("listening on", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not ready.wait(timeout) or not url:
+            raise RuntimeError(f"the server did not start: {' '.join(cmd)}\n" + "".join(lines[-30:]))
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 
 
@@ -523,7 +599,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "acceptance statistics are added to each response's usage block")
     p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
-                   help="decode up to N queued requests as one batch (default 1: one at a time)")
+                   help="decode up to N requests as one batch that requests join and leave between rounds "
+                   "(continuous batching; default 1: one at a time)")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
                    help="decoding engine: auto = static with CUDA graphs on a GPU where supported, else Transformers")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",

@@ -124,7 +124,7 @@ class KVCache:
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""
-        idx = torch.tensor(list(rows), device=self.lengths_t.device)
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.lengths_t.device)  # long: rows may be []
         self.lengths = [self.lengths[r] for r in rows]
         self.lengths_t = self.lengths_t[idx]
         if self.k is not None:
@@ -134,6 +134,38 @@ class KVCache:
             self.k[:, :, :, :n], self.v[:, :, :, :n] = k, v
         if self.linear is not None:
             self.linear.keep_rows(idx)
+
+    def put_rows(self, src: KVCache, rows: Sequence[int]) -> None:
+        """Copy every row j of `src` (its length and committed slots) into row rows[j] of this
+        cache; rows from `batch` on are appended. Rows of the storage keep their addresses
+        unless it must grow (more rows or slots than allocated)."""
+        b = max(self.batch, max(rows) + 1)
+        lengths = self.lengths + [0] * (b - self.batch)
+        for j, r in enumerate(rows):
+            lengths[r] = src.lengths[j]
+        self.lengths = lengths
+        self.lengths_t = torch.tensor(lengths, device=src.lengths_t.device)
+        if self.linear is not None:
+            self.linear.put_rows(src.linear, rows, b)
+        like = self.k if self.k is not None else src.k
+        if like is None:  # nothing written to either yet: the first write allocates b rows
+            return
+        if self._k is None or self._k.shape[1] < b:  # new storage for b rows, the old rows copied over
+            L, _, h, _, d = like.shape
+            old = (self.k, self.v)
+            self._k = like.new_zeros(L, b, h, max(self.capacity, 0 if src.k is None else src.capacity), d)
+            self._v = torch.zeros_like(self._k)
+            if old[0] is not None:
+                n, cap = old[0].shape[1], old[0].shape[3]
+                self._k[:, :n, :, :cap], self._v[:, :n, :, :cap] = old
+        self._view(b)
+        if src.k is None:
+            return
+        n = max(src.lengths)
+        self.reserve(n)
+        idx = torch.tensor(list(rows), device=self.k.device)
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # rows on dim 1; only committed slots move
+            mine[:, idx, :, :n] = theirs[:, :, :, :n]
 
 
 class LinearState:
@@ -179,13 +211,25 @@ class LinearState:
                                     leaf[None, :, None, None].expand(L, m, 1, 1))
         self.pending = None
 
+    def put_rows(self, src: LinearState, rows: Sequence[int], batch: int) -> None:
+        """Row j of `src` becomes row rows[j] of a batch of `batch` rows (`KVCache.put_rows`)."""
+        if self._conv is None or self._conv.shape[1] < batch:
+            old = (self.conv, self.rec)
+            self._conv = src.conv.new_zeros(self.shape[0], batch, *src.conv.shape[2:])
+            self._rec = src.rec.new_zeros(self.shape[0], batch, *src.rec.shape[2:])
+            if old[0] is not None:
+                self._conv[:, :old[0].shape[1]], self._rec[:, :old[1].shape[1]] = old
+        self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
+        idx = torch.tensor(list(rows), device=self.rec.device)
+        self.conv[:, idx], self.rec[:, idx] = src.conv, src.rec
+        self.pending = None
+
     def keep_rows(self, idx: Tensor) -> None:
         conv, rec = self.conv[:, idx], self.rec[:, idx]  # gathered copies: sources and destinations overlap
         self.conv, self.rec = self._conv[:, :len(idx)], self._rec[:, :len(idx)]
         self.conv.copy_(conv)
         self.rec.copy_(rec)
         self.pending = None
-
 
 def is_chain(path: Sequence[int]) -> bool:
     """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""

@@ -222,9 +222,42 @@ class Engine:
             self.pending = self.verified.gather(1, idx[:, :, None].expand(-1, -1, self.verified.shape[2]))
         self.pending_counts = [len(p) for p in paths]
 
+    @torch.no_grad()
+    def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
+        """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
+        of this batch, or indices from `batch` on to append): their caches, lengths and pending
+        features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
+        -> logits at each prompt's last token [m, V]."""
+        # Fresh caches for the m prompts; a runner with CUDA graphs runs them without (its graphs
+        # are captured over this engine's cache).
+        new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
+        logits = new.prefill(prompts, capacity=0)  # the caches here make the room (`KVCache.put_rows`)
+        if self.dcache is not None and self.dcache.k is not None:
+            # The drafter takes the prompts' features now, over these m rows only, so that the
+            # batch's next draft sees at most a block of new features per row (its CUDA graph)
+            # instead of a pass over all b rows at prompt length. The block drafted here is
+            # dropped: the batch's next draft writes it again at the same slots.
+            new.draft(torch.zeros(len(prompts), dtype=torch.long, device=logits.device))
+        if self.dcache is None or self.dcache.k is not None:  # no drafter will read them (again)
+            new.pending, new.pending_counts = new.pending[:, :0], [0] * len(prompts)
+        self.cache.put_rows(new.cache, rows)
+        self.cache.reserve(capacity)
+        if self.dcache is not None:
+            self.dcache.put_rows(new.dcache, rows)
+            self.dcache.reserve(capacity + self.drafter.config.block_size)
+        w, extra = max(self.pending.shape[1], new.pending.shape[1]), self.batch - len(self.pending_counts)
+        pending = self.pending.new_zeros(self.batch, w, self.pending.shape[2])
+        pending[:len(self.pending_counts), :self.pending.shape[1]] = self.pending
+        pending[torch.tensor(list(rows), device=pending.device), :new.pending.shape[1]] = new.pending
+        self.pending = pending
+        self.pending_counts = self.pending_counts + [0] * extra
+        for r, n in zip(rows, new.pending_counts):
+            self.pending_counts[r] = n
+        return logits
+
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""
-        idx = torch.tensor(list(rows), device=self.pending.device)
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.pending.device)
         self.cache.keep_rows(rows)
         if self.dcache is not None:
             self.dcache.keep_rows(rows)

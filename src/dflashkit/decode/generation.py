@@ -114,6 +114,9 @@ class Generator(Protocol):
 
 
 class BatchedGenerator(Generator, Protocol):
-    def generate_batch(self, requests: list[tuple[list[int], dict[str, Any]]],
-                       cancelled: Callable[[int], bool]) -> Iterator[list[tuple[int, GenerationChunk]]]:
-        """(input ids, `generate` keyword arguments) per request -> per round (request index, chunk)."""
+    def generate_batch(self, requests: list[tuple[list[int], dict[str, Any]]], cancelled: Callable[[int], bool],
+                       admit: Callable[[int], list[tuple[list[int], dict[str, Any]]]] | None = None,
+                       ) -> Iterator[list[tuple[int, GenerationChunk]]]:
+        """(input ids, `generate` keyword arguments) per request -> per round (request index, chunk).
+        admit(rows running), called between rounds, returns requests that join the batch, their
+        indices following on."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,6 +123,60 @@ def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | Non
     return trees, torch.cat([bonus[:, None], tokens.to(dev)], 1), depths.to(dev), anc.to(dev), None
 
 
+@dataclass
+class Request:
+    """One sequence to decode: its prompt [T], token limit, sampling settings and stop tokens."""
+
+    prompt: Tensor
+    max_new_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: set[int] | frozenset[int] = frozenset()
+
+
+@dataclass
+class _Row:
+    """A request in the running batch: its index in the stream, settings and result so far."""
+
+    index: int
+    request: Request
+    limit: int  # max_new_tokens, within the model's positions
+    gen: torch.Generator | None  # its own random stream
+    res: Generation
+    t1: float  # when its first token was known: decode time counts from here
+
+    def extend(self, new: list[int]) -> list[int]:
+        return self.res.extend(new, self.limit, self.request.stop_ids)
+
+
+Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
+Step = list[tuple[int, list[int], Generation]]  # one yield of the stream: (index, new tokens, Generation) per row
+
+
+def _start(engine: Engine, requests: Sequence[Request], first: int, method: str, budget: int | None,
+           prefill: Callable[[list[Tensor], int], Tensor]) -> tuple[list[_Row], Tensor, Step]:
+    """Prefill `requests` (numbered from `first`) through `prefill(prompts, capacity)` -> their
+    rows, first tokens on the device [m] and the stream step that reports them."""
+    for r in requests:
+        check_request(method, r.max_new_tokens, engine.drafter, budget)
+    limits = [r.max_new_tokens for r in requests]
+    if engine.target.max_positions:  # the answer ends where the model's positions do
+        limits = [min(lim, engine.target.max_positions - len(r.prompt)) for lim, r in zip(limits, requests)]
+    B = engine.drafter.config.block_size if engine.drafter is not None else 1
+    dev = engine.target.device
+    gens = [new_generator(r.sampling, dev) for r in requests]
+    t0 = time.perf_counter()
+    # Room for the answer up to a few thousand tokens; the caches grow beyond that only if the
+    # answer does (a request without a token limit must not reserve the model's whole context).
+    room = max(len(r.prompt) + min(m, RESERVE) for r, m in zip(requests, limits)) + (budget or 0) + 2 * B
+    logits = prefill([r.prompt for r in requests], room)
+    bonus = row_tokens(logits[:, None], [r.sampling for r in requests], gens)[:, 0]  # [m], stays on the device
+    tokens = bonus.tolist()  # waits for the prefill: time to first token is honest on CUDA too
+    t1 = time.perf_counter()
+    rows = [_Row(first + j, r, lim, g, Generation([], [], "", len(r.prompt), t1 - t0, 0.0), t1)
+            for j, (r, lim, g) in enumerate(zip(requests, limits, gens))]
+    return rows, bonus, [(row.index, row.extend([t]), row.res) for row, t in zip(rows, tokens)]
+
+
 @torch.no_grad()
 def decode_stream(
     engine: Engine,
@@ -132,17 +187,24 @@ def decode_stream(
     budget: int | None = None,
     top_k: int = 4,
     sampling: Sampling | Sequence[Sampling] | None = None,
-    stop_ids: set[int] | frozenset[int] = frozenset(),
+    stop_ids: set[int] | frozenset[int] | Sequence[set[int] | frozenset[int]] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
+    admit: Admit | None = None,
     profile: bool = False,
     cost_aware: bool = False,
-) -> Iterator[list[tuple[int, list[int], Generation]]]:
+) -> Iterator[Step]:
     """Decode every prompt to its first stop token (included) or its token limit. Yields, after
     the prefill and after each round, (prompt index, newly committed tokens, its running
     `Generation`) for each row that was still running. Per row, the tokens, τ per round and
     random draws equal decoding that prompt alone (same seed). A row for which
     `cancelled(prompt index)` turns true stops before the next round, unfinished (it leaves the
     batch, or stays in it idle on an engine with `fixed_rows`).
+
+    admit (continuous batching): called before every round with the number of rows still
+    running; the `Request`s it returns join the batch now (`Engine.join`: into idle rows of a
+    `fixed_rows` engine, else appended), numbered on from the prompts in the order admitted, and
+    their first tokens are yielded at once. The stream ends when no row runs and `admit` returns
+    nothing. Every row shares `method`.
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
     `budget` nodes from the top-`top_k` tokens of each slot). cost_aware: measure what
@@ -152,42 +214,47 @@ def decode_stream(
     if not prompts or any(p.ndim != 1 for p in prompts):
         raise ValueError("prompts: expected a non-empty list of [T] or [1, T] token tensors")
     n = len(prompts)
-    limits = _per_row(max_new_tokens, n, "max_new_tokens")
-    samplings = [s or Sampling() for s in _per_row(sampling, n, "sampling")]
-    for lim in limits:
-        check_request(method, lim, engine.drafter, budget)
-    if engine.target.max_positions:  # the answer ends where the model's positions do
-        limits = [min(lim, engine.target.max_positions - len(p)) for lim, p in zip(limits, prompts)]
+    requests = [Request(p, lim, s or Sampling(), stop) for p, lim, s, stop in
+                zip(prompts, _per_row(max_new_tokens, n, "max_new_tokens"), _per_row(sampling, n, "sampling"),
+                    _per_row(stop_ids, n, "stop_ids"))]
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
     dev = engine.target.device
-    gens = [new_generator(s, dev) for s in samplings]
     stages = _Stages(profile, dev)
 
-    t0 = time.perf_counter()
-    # Room for the answer up to a few thousand tokens; the caches grow beyond that only if the
-    # answer does (a request without a token limit must not reserve the model's whole context).
-    room = max(len(p) + min(m, RESERVE) for p, m in zip(prompts, limits)) + (budget or 0) + 2 * B
-    logits = engine.prefill(prompts, capacity=room)
-    bonus = row_tokens(logits[:, None], samplings, gens)[:, 0]  # [b], stays on the device
-    first = bonus.tolist()  # waits for the prefill: time to first token is honest on CUDA too
-    prefill_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    res = [Generation([], [], "", len(p), prefill_s, 0.0) for p in prompts]
-    rows = list(range(n))  # prompt index of each row of the running batch
-    yield [(i, res[i].extend([t], limits[i], stop_ids), res[i]) for i, t in enumerate(first)]
+    rows, bonus, step = _start(engine, requests, 0, method, budget, lambda ps, room: engine.prefill(ps, capacity=room))
+    admitted = n  # requests so far: the next one's index
+    yield step
     curve = None
     if cost_aware and method != "ar":
         top = B if method == "dflash" else budget + 1
         curve = cost.measure(engine, sorted({w for w in (1, 2, 4, 8, 16, 32, 64, top) if w <= top}))
-        t1 = time.perf_counter()  # the measurement is not decoding time
+        for row in rows:  # the measurement is not decoding time
+            row.t1 = time.perf_counter()
     while True:
-        running = [not res[i].finish_reason and not cancelled(i) for i in rows]
-        if not any(running):
+        running = [not row.res.finish_reason and not cancelled(row.index) for row in rows]
+        joining = list(admit(sum(running))) if admit is not None else []
+        if not any(running) and not joining:
             break
         if not all(running) and not engine.fixed_rows:  # finished rows leave the batch
             keep = [k for k, r in enumerate(running) if r]
             engine.keep_rows(keep)
-            bonus, rows, running = bonus[torch.tensor(keep, device=dev)], [rows[k] for k in keep], [True] * len(keep)
+            bonus = bonus[torch.tensor(keep, dtype=torch.long, device=dev)]
+            rows, running = [rows[k] for k in keep], [True] * len(keep)
+        if joining:
+            idle = [k for k, r in enumerate(running) if not r]  # only on a fixed-rows engine
+            places = (idle + list(range(len(rows), len(rows) + len(joining))))[:len(joining)]
+            new, first, step = _start(engine, joining, admitted, method, budget,
+                                      lambda ps, room: engine.join(ps, places, capacity=room))
+            admitted += len(joining)
+            bonus = torch.cat([bonus, first[len(idle):]])  # appended rows come after the idle ones
+            bonus[torch.tensor(places, device=dev)] = first
+            running += [False] * (len(places) - len(idle))
+            for k, row in zip(places, new):
+                rows[k:k + 1] = [row]  # replaces an idle row, or appends
+                running[k] = not row.res.finish_reason
+            yield step
+            if not any(running):  # every joining request ended at its first token
+                continue
         stages.start()
         t_draft = time.perf_counter()
         dlogits = engine.draft(bonus) if method != "ar" else None  # [b, B-1, V]
@@ -197,7 +264,8 @@ def decode_stream(
             spent = time.perf_counter() - t_draft
             curve.draft_seconds = spent if not curve.draft_seconds else 0.8 * curve.draft_seconds + 0.2 * spent
         stages.mark("tree")
-        picked = row_tokens(engine.verify(tokens, depths, anc), [samplings[i] for i in rows], [gens[i] for i in rows])
+        picked = row_tokens(engine.verify(tokens, depths, anc), [row.request.sampling for row in rows],
+                            [row.gen for row in rows])
         stages.mark("verify")
         if chain is not None:
             host = torch.cat([chain, picked], 1).tolist()  # the round's one transfer to the host
@@ -210,17 +278,17 @@ def decode_stream(
         bonus = torch.tensor([last for _, last in walks], device=dev)
         stages.mark("commit")
         step = []
-        for i, tree, (path, last), run in zip(rows, trees, walks, running):
+        for row, tree, (path, last), run in zip(rows, trees, walks, running):
             if not run:
                 continue
-            new = res[i].extend([tree.tokens[j - 1] for j in path[1:]] + [last], limits[i], stop_ids)
-            res[i].accept_lengths.append(len(new))
+            new = row.extend([tree.tokens[j - 1] for j in path[1:]] + [last])
+            row.res.accept_lengths.append(len(new))
             if curve is not None:
-                res[i].draft_sizes.append(tokens.shape[1] - 1)
-            res[i].decode_seconds = time.perf_counter() - t1
+                row.res.draft_sizes.append(tokens.shape[1] - 1)
+            row.res.decode_seconds = time.perf_counter() - row.t1
             if profile:
-                res[i].stage_seconds = dict(stages.seconds)
-            step.append((i, new, res[i]))
+                row.res.stage_seconds = dict(stages.seconds)
+            step.append((row.index, new, row.res))
         yield step
 
 
@@ -265,17 +333,26 @@ class DecodingGenerator:
         self.label = None if method == "ar" else method if method != "ddtree" else f"ddtree-{budget}"
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
-                       cancelled: Callable[[int], bool] = lambda i: False) -> Iterator[list[tuple[int, GenerationChunk]]]:
-        """requests: (input ids, `generate` keyword arguments); the stop ids are the server's, the
-        same for every request. Yields (request index, chunk) per round."""
-        params = [kw for _, kw in requests]
+                       cancelled: Callable[[int], bool] = lambda i: False,
+                       admit: Callable[[int], Sequence[tuple[list[int], dict[str, Any]]]] | None = None,
+                       ) -> Iterator[list[tuple[int, GenerationChunk]]]:
+        """requests: (input ids, `generate` keyword arguments). Yields (request index, chunk) per
+        round. admit: continuous batching (`decode_stream`'s `admit`), requests in the same form,
+        numbered on from `requests`. A finished request's stats carry `batch_size`: the rows of
+        the batch in its last round."""
+        def convert(items: Sequence[tuple[list[int], dict[str, Any]]]) -> list[Request]:
+            return [Request(torch.tensor(ids), kw["max_new_tokens"],
+                            Sampling(kw["temperature"], kw["top_p"], kw["seed"]), kw["stop_ids"]) for ids, kw in items]
+
+        first = convert(requests)
         steps = decode_stream(
-            self.engine, [torch.tensor(ids) for ids, _ in requests], method=self.method, budget=self.budget,
-            top_k=self.top_k, max_new_tokens=[kw["max_new_tokens"] for kw in params],
-            sampling=[Sampling(kw["temperature"], kw["top_p"], kw["seed"]) for kw in params],
-            stop_ids=params[0]["stop_ids"], cancelled=cancelled)
+            self.engine, [r.prompt for r in first], method=self.method, budget=self.budget, top_k=self.top_k,
+            max_new_tokens=[r.max_new_tokens for r in first], sampling=[r.sampling for r in first],
+            stop_ids=[r.stop_ids for r in first], cancelled=cancelled,
+            admit=None if admit is None else lambda running: convert(admit(running)))
         for step in steps:
-            yield [(i, GenerationChunk(new, g.finish_reason, {**usage_stats(g, self.label), "batch_size": len(requests)})
+            stats = {"batch_size": self.engine.batch}
+            yield [(i, GenerationChunk(new, g.finish_reason, {**usage_stats(g, self.label), **stats})
                     if g.finish_reason else GenerationChunk(new)) for i, new, g in step]
 
     def generate(self, input_ids: list[int], **kw: Any) -> Iterator[GenerationChunk]:

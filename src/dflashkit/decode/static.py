@@ -308,11 +308,20 @@ class StaticRunner:
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        self.cache = cache
-        n = cache.span(n, SLOT_BUCKET)
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
         use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
-        h, feats, block = (self.graphed if use_graph else self._step)(tokens, depths, ancestors, cache.lengths_t, n, commit)
+        return self._run(self.graphed if use_graph else self._step, cache, tokens, depths, ancestors, n, commit)
+
+    def eager(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
+              commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The same step without CUDA graphs, for a cache other than the engine's (a joining
+        request's prefill, `Engine.join`): graphs are captured over one cache's buffers."""
+        return self._run(self._step, cache, tokens, depths, ancestors, n, commit)
+
+    def _run(self, step: Callable, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
+             commit: Tensor | None) -> tuple[Tensor, Tensor]:
+        self.cache = cache
+        h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit)
         if cache.linear is not None:
             cache.linear.pending = block
         return h, feats

@@ -1,0 +1,162 @@
+"""Serving under load: N concurrent streaming clients against `dflashkit serve` on localhost.
+
+Each client sends chat requests one after another (prompts of an evaluation suite, in turn;
+max_tokens drawn per request between a quarter of `--max-tokens` and all of it, the same
+sequence for every server) until `--requests` have been sent in all or `--duration` seconds have
+passed. Before the timed run, every client sends one short untimed request (CUDA-graph capture
+and compilation stay out of the numbers). Reported per server: completion tokens/s over the
+whole run (wall time), time to first token (first streamed text) and request latency, p50 and
+p99, and failed requests.
+
+Servers: `--url` points at running ones; `--pythonpath DIR` launches `dflashkit serve` from the
+checkout whose package lies in DIR (e.g. an older commit's `src`, unpacked as below), `--server-cmd CMD`
+launches a command line; launched servers get `--port 0 SERVER_ARGS` and run one after another,
+so several servers compare side by side in one run with the same arguments and load:
+
+    mkdir -p /tmp/old && git archive 8f29bb1 src | tar -x -C /tmp/old
+    python benchmarks/bench_serve.py --pythonpath /tmp/old/src --pythonpath src --clients 8 --max-tokens 32 \\
+        --server-args "--max-batch 8 target.device=cpu"
+    python benchmarks/bench_serve.py --url http://127.0.0.1:8000/v1 --clients 64 --json runs/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from dflashkit.data.prompts import load_suite
+from dflashkit.serve import subprocess_server
+
+
+async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat request -> its time to first token, latency and completion tokens."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"error": event["error"].get("message", "error")}
+            if ttft is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    latency = time.perf_counter() - t0
+    return {"ttft": latency if ttft is None else ttft, "latency": latency, "tokens": tokens}
+
+
+async def load(url: str, clients: int, requests: int, duration: float, max_tokens: int,
+               prompts: list[list[dict]], seed: int) -> dict[str, Any]:
+    """The timed run (after one untimed short request per client)."""
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        await asyncio.gather(*(one_request(client, url, prompts[i % len(prompts)], 4) for i in range(clients)))
+        rng = random.Random(seed)
+        work = [(prompts[i % len(prompts)], rng.randint(max(1, max_tokens // 4), max_tokens)) for i in range(requests)]
+        results: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+
+        async def client_loop() -> None:
+            while work and time.perf_counter() - t0 < duration:
+                messages, n = work.pop(0)
+                try:
+                    results.append(await one_request(client, url, messages, n))
+                except httpx.HTTPError as e:
+                    results.append({"error": f"{type(e).__name__}: {e}"})
+
+        await asyncio.gather(*(client_loop() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(ok), "failed": len(results) - len(ok), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            **{f"{key}_p{q}": percentile([r[key] for r in ok], q) for key in ("ttft", "latency") for q in (50, 99)},
+            "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN for no values)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["server", "requests", "failed", "tokens", "seconds", "tokens/s", "TTFT p50", "TTFT p99", "latency p50",
+            "latency p99"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['requests']} | {r['failed']} | {r['tokens']} | {r['seconds']:.1f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} s | {r['ttft_p99']:.2f} s | "
+                     f"{r['latency_p50']:.2f} s | {r['latency_p99']:.2f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", action="append", default=[], help="a running server's base URL (…/v1); repeatable")
+    p.add_argument("--pythonpath", action="append", default=[], metavar="DIR",
+                   help="launch `dflashkit serve` with PYTHONPATH=DIR (a checkout's src); repeatable")
+    p.add_argument("--server-cmd", action="append", default=[], metavar="CMD",
+                   help="launch this command line (`--port 0` and the server args are appended; it must print "
+                   "'listening on URL'); repeatable")
+    p.add_argument("--server-args", default="--max-batch 64",
+                   help="arguments of every launched server (default: %(default)s)")
+    p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
+    p.add_argument("--requests", type=int, default=None, help="requests in all (default: 4 per client)")
+    p.add_argument("--duration", type=float, default=600.0, help="stop sending new requests after S seconds")
+    p.add_argument("--max-tokens", type=int, default=128, help="largest max_tokens of a request (default 128)")
+    p.add_argument("--suite", default="humaneval", help="prompts: an evaluation suite (default humaneval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a launched server may take to start")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    if args.clients < 1 or args.max_tokens < 1 or args.duration <= 0:
+        raise SystemExit("--clients and --max-tokens must be >= 1, --duration > 0")
+    requests = args.requests or 4 * args.clients
+    prompts = [c.messages for c in load_suite(args.suite)]
+    serve = [sys.executable, "-m", "dflashkit.cli", "serve"]
+    servers: list[tuple[str, list[str] | None, dict[str, str]]] = [(u, None, {}) for u in args.url]
+    servers += [(f"PYTHONPATH={d}", serve, {"PYTHONPATH": os.path.abspath(d)}) for d in args.pythonpath]
+    servers += [(c, shlex.split(c), {}) for c in args.server_cmd]
+    if not servers:
+        servers = [("this checkout", serve, {})]
+    rows = []
+    for label, cmd, env in servers:
+        if cmd is None:
+            result = asyncio.run(load(label, args.clients, requests, args.duration, args.max_tokens, prompts, args.seed))
+        else:
+            with subprocess_server(cmd + ["--port", "0", *shlex.split(args.server_args)], {**os.environ, **env},
+                                   args.start_timeout) as url:
+                result = asyncio.run(load(url, args.clients, requests, args.duration, args.max_tokens, prompts,
+                                          args.seed))
+        rows.append({"server": label, "clients": args.clients, "max_tokens": args.max_tokens,
+                     "server_args": args.server_args if cmd else None, **result})
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(f"\n{args.clients} clients, {requests} requests, max_tokens up to {args.max_tokens}, suite {args.suite}\n")
+    print(table(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
