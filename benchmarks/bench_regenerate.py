@@ -1,8 +1,9 @@
 """`regenerate` throughput: the batched decoding engine against Transformers' `generate`, side by
 side in one run, on the SmolLM2 testbed (built-in training prompts, greedy).
 
-Both back-ends answer the same prompts in batches of `--batch`, longest first, with the target's
-stop tokens; tokens/s = generated tokens / wall time of the whole pass (prefill included), after
+Every back-end answers the same prompts, longest first, with the target's stop tokens, in batches
+of `--batch` (`refill`: at most `--batch` rows, a finished row refilled at once, as `regenerate`
+runs); tokens/s = generated tokens / wall time of the whole pass (prefill included), after
 an untimed pass over the first batches (graph capture, compilation). "identical" counts answers
 whose tokens are equal between the two back-ends (bf16 near-ties may part).
 
@@ -22,7 +23,7 @@ import torch
 from dflashkit.data.chat import prompt_ids
 from dflashkit.data.prompts import load_prompts
 from dflashkit.data.regenerate import context_messages
-from dflashkit.decode.loop import generate_batch, make_engine
+from dflashkit.decode.loop import Request, generate_batch, generate_refilled, make_engine
 from dflashkit.target import Target, load_target
 from dflashkit.vocab import stop_token_ids
 
@@ -36,6 +37,17 @@ def engine_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
     engine = make_engine(target, None, "auto")
     return [g.tokens for b in batches for g in generate_batch(engine, [torch.tensor(p) for p in b], method="ar",
                                                               max_new_tokens=n, stop_ids=stops)]
+
+
+def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
+    """What `regenerate` runs: at most --batch rows, each refilled with the next prompt when it ends."""
+    engine = make_engine(target, None, "auto")
+    prompts = [p for b in batches for p in b]
+    out: dict[int, list[int]] = {}
+    for i, g in generate_refilled(engine, [Request(torch.tensor(p), n, stop_ids=frozenset(stops)) for p in prompts],
+                                  len(batches[0]), method="ar"):
+        out[i] = g.tokens
+    return [out[i] for i in range(len(prompts))]
 
 
 def transformers_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
@@ -60,7 +72,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--backends", default="engine,transformers")
+    p.add_argument("--backends", default="engine,refill,transformers",
+                   help="engine: whole batches; refill: rows refilled as they finish (what regenerate runs); transformers")
     p.add_argument("--json")
     args = p.parse_args()
     target = load_target(None, dtype=args.dtype, device=args.device)
@@ -70,7 +83,7 @@ def main() -> None:
     batches = [ids[i:i + args.batch] for i in range(0, len(ids), args.batch)]
     rows, answers = [], {}
     for name in args.backends.split(","):
-        run = {"engine": engine_pass, "transformers": transformers_pass}[name]
+        run = {"engine": engine_pass, "refill": refill_pass, "transformers": transformers_pass}[name]
         run(target, batches[:2], min(16, args.max_new_tokens), stops)  # warm-up, untimed
         sync(target.device)
         t = time.perf_counter()
@@ -81,11 +94,13 @@ def main() -> None:
         rows.append({"backend": name, "prompts": len(ids), "batch": args.batch, "tokens": tokens, "seconds": seconds,
                      "tokens_per_s": tokens / seconds})
         print(f"{name:12s} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} tokens/s", flush=True)
-    if len(answers) == 2:
-        a, b = answers.values()
-        rows[0]["identical"] = rows[1]["identical"] = sum(x == y for x, y in zip(a, b))
-        rows[0]["speedup"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-        print(f"speed-up {rows[0]['speedup']:.2f}x; identical answers {rows[0]['identical']}/{len(ids)}")
+    if "transformers" in answers:  # each back-end against Transformers' generate
+        ref = next(r for r in rows if r["backend"] == "transformers")
+        for r in rows:
+            if r is not ref:
+                r["identical"] = sum(x == y for x, y in zip(answers[r["backend"]], answers["transformers"]))
+                r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"]
+                print(f"{r['backend']}: {r['speedup']:.2f}x Transformers; identical answers {r['identical']}/{len(ids)}")
     device = torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu"
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,

@@ -139,7 +139,7 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
     and the conversation id, so it does not depend on which prompts share the batch or where an
     earlier run stopped (in bf16, batched kernels may still round near-ties differently)."""
     from dflashkit.decode.generation import Sampling
-    from dflashkit.decode.loop import Request, decode_stream, make_engine
+    from dflashkit.decode.loop import Request, generate_refilled, make_engine
     from dflashkit.vocab import stop_token_ids
 
     tok = target.tokenizer
@@ -160,30 +160,15 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
         todo = sorted((i for i, c in enumerate(conversations) if c.id not in done), key=lambda i: (-len(ids[i]), i))
         bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
         t0 = time.perf_counter()
-        if todo:
-            queue = iter(todo[batch_size:])
-            order = todo[:batch_size]  # stream index -> conversation index
-
-            def admit(running: int) -> list[Request]:
-                new = [i for _, i in zip(range(batch_size - running), queue)]
-                order.extend(new)
-                return [request(i) for i in new]
-
-            first = [request(i) for i in order]
-            for step in decode_stream(decoder, [r.prompt for r in first], method="ar", admit=admit,
-                                      max_new_tokens=params.max_new_tokens, sampling=[r.sampling for r in first],
-                                      stop_ids=stops):
-                for k, _, g in step:
-                    if not g.finish_reason:
-                        continue
-                    i = order[k]
-                    row = g.tokens  # the stop token, if any, is the last one
-                    stopped = g.finish_reason == "stop"
-                    answer = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-                    _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), params, row)
-                    stats.written += 1
-                    stats.completion_tokens += len(row)
-                    bar.update(1)
+        for k, g in generate_refilled(decoder, [request(i) for i in todo], batch_size, method="ar"):
+            i = todo[k]
+            row = g.tokens  # the stop token, if any, is the last one
+            stopped = g.finish_reason == "stop"
+            answer = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+            _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), params, row)
+            stats.written += 1
+            stats.completion_tokens += len(row)
+            bar.update(1)
         stats.seconds = time.perf_counter() - t0
         bar.close()
     return stats
