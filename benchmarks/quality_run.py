@@ -5,8 +5,8 @@ online evaluation on the evaluation suites (AR vs DFlash vs DDTree), in one proc
         --compare-bundled --export-parts runs/parts --json runs/quality.json
 
 The budget covers loading the target, making the prompts, regeneration, tokenisation and
-training; the evaluation comes after it (bounded by the suites' fixed prompt counts, or
---suite-prompts). The suites (HumanEval, code, math, chat, multi-turn; each with its own prompt
+training; the evaluation comes after it (bounded by the suites' fixed prompt counts and answer
+lengths; --suite-prompts and --suite-tokens shrink it for a quick check of the path). The suites (HumanEval, code, math, chat, multi-turn; each with its own prompt
 count and answer length) are never trained on: the built-in training set's generator drops any
 prompt near one of them. --compare-bundled evaluates the bundled drafter beside the new one in
 the same run. --export-parts writes the new drafter (`best/`) as parts of at most 15 MiB with
@@ -25,7 +25,7 @@ T_IMPORT = time.perf_counter()  # before the heavy imports: their time is report
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-from dataclasses import asdict  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -77,8 +77,10 @@ def eval_summary(report: dict[str, Any], suite_prompts: int | None) -> dict[str,
                            for s, t in report["suites"].items()},
                 **h, "pooled_tau": pooled["tau"], "pooled_speedup": pooled["speedup"],
                 "identical_prompts": pooled["identical_prompts"]}
-    return {"prompts": report["prompts"], "suite_prompts": suite_prompts or "each suite's count",
-            "ar_tokens_per_s": report["baseline"]["tokens_per_s"], "drafters": drafters,
+    return {"prompts": report["prompts"], "suite_prompts": suite_prompts,  # None: each suite's own count
+            "suites": {s: {k: t[k] for k in ("prompts", "max_new_tokens", "baseline_tokens_per_s")}
+                       for s, t in report["suites"].items()},
+            "dtype": report["dtype"], "ar_tokens_per_s": report["baseline"]["tokens_per_s"], "drafters": drafters,
             "tau_sim_vs_online": tau_sim_vs_online(report), "partings": parting_summary(report)}
 
 
@@ -105,7 +107,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
     for name, suites in ev["tau_sim_vs_online"].items():
         lines += [f"| {name} | {suite} | {c['tau_sim']:.3f} | {c['tau']:.3f} | {c['rel_diff']:+.1%} |"
                   for suite, c in suites.items()]
-    lines += ["", "Partings from autoregressive decoding (bf16 rounding classified per parting):", "",
+    lines += ["", f"Partings from autoregressive decoding (each classified against {ev['dtype']} rounding):", "",
               "| drafter/method | partings | numerical near-ties | unexplained |", "| --- | ---: | ---: | --- |"]
     for key, p in ev["partings"].items():
         lines.append(f"| {key} | {p['partings']} | {p['numerical']} | {', '.join(p['unexplained']) or 'none'} |")
@@ -120,6 +122,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="wall clock for load + prompts + regenerate + tokenize + train (the evaluation comes after)")
     p.add_argument("--suite-prompts", type=int, default=None, help="prompts per suite (default: each suite's count)")
+    p.add_argument("--suite-tokens", type=int, default=None,
+                   help="answer tokens per suite (default: each suite's own; fewer only for a quick check of the path)")
     p.add_argument("--compare-bundled", action="store_true",
                    help="evaluate the bundled drafter (src/dflashkit/assets/smollm2-drafter) beside the new one")
     p.add_argument("--export-parts", metavar="DIR",
@@ -173,7 +177,8 @@ def main() -> None:
     drafters = {"trained": load_drafter(best, target, device=target.device, dtype=target.dtype)}
     if a.compare_bundled:
         drafters["bundled"] = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
-    suites = [(s, eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
+    suites = [(replace(s, max_new_tokens=a.suite_tokens or s.max_new_tokens),
+               eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
     report = evaluate_suites(target, drafters, suites, methods=("dflash", "ddtree"), budgets=cfg.eval.ddtree_budgets,
                              top_k=cfg.eval.ddtree_top_k,
                              stop_ids=stop_token_ids(target.tokenizer, target.model.generation_config))
