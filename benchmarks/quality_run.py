@@ -1,93 +1,197 @@
 """The testbed quality run: regenerate -> tokenize -> train under a wall-clock budget, then greedy
 online evaluation on the evaluation suites (AR vs DFlash vs DDTree), in one process.
 
-    python benchmarks/quality_run.py --config configs/smollm2-bundled.yaml --budget-s 480 \
-        --json runs/quality/result.json
+    python benchmarks/quality_run.py --config configs/smollm2-general.yaml --budget-s 430 \
+        --compare-bundled --export-parts runs/parts --json runs/quality.json
 
-The budget covers loading the target, regeneration, tokenisation and training; evaluation is
-timed separately. The suites (HumanEval, code, math, chat, multi-turn; each with its own prompt
-count and answer length) are never trained on: tests/test_prompts.py checks that the built-in
-training set shares no 8-word run and no near-duplicate with any of them. Any greedy output that
-parts from autoregressive decoding other than at a numerical near-tie fails the run.
+The budget covers loading the target, making the prompts, regeneration, tokenisation and
+training; the evaluation comes after it (bounded by the suites' fixed prompt counts and answer
+lengths; --suite-prompts and --suite-tokens shrink it for a quick check of the path). The suites (HumanEval, code, math, chat, multi-turn; each with its own prompt
+count and answer length) are never trained on: the built-in training set's generator drops any
+prompt near one of them. --compare-bundled evaluates the bundled drafter beside the new one in
+the same run. --export-parts writes the new drafter (`best/`) as parts of at most 15 MiB with
+SHA-256 sums (`checkpoint.split_drafter`; `join_drafter` puts it back) right after training, and
+--json is written then too, so that both survive an evaluation cut short. Any greedy output that
+parts from autoregressive decoding other than at a numerical near-tie fails the run (after the
+report is written).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import time
-from pathlib import Path
 
-import torch
+T_IMPORT = time.perf_counter()  # before the heavy imports: their time is reported too
 
-from dflashkit.checkpoint import load_drafter
-from dflashkit.commands import resolve_device
-from dflashkit.config import load_config
-from dflashkit.data.chat import load_tokenized, tokenize_file
-from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite
-from dflashkit.data.regenerate import GenerationParams, regenerate_local
-from dflashkit.evaluate import check_partings, eval_prompts, evaluate_suites, markdown, training_tau_sim, write_report
-from dflashkit.target import load_target
-from dflashkit.train import train
-from dflashkit.vocab import stop_token_ids
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from dflashkit.checkpoint import atomic_write_json, load_drafter, split_drafter  # noqa: E402
+from dflashkit.commands import resolve_device  # noqa: E402
+from dflashkit.config import load_config  # noqa: E402
+from dflashkit.data.chat import load_tokenized, tokenize_file  # noqa: E402
+from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite  # noqa: E402
+from dflashkit.data.regenerate import GenerationParams, regenerate_local  # noqa: E402
+from dflashkit.demo import bundled_drafter_dir  # noqa: E402
+from dflashkit.evaluate import (  # noqa: E402
+    check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, tau_sim_vs_online, training_tau_sim,
+    write_report,
+)
+from dflashkit.target import load_target  # noqa: E402
+from dflashkit.train import train  # noqa: E402
+from dflashkit.vocab import stop_token_ids  # noqa: E402
+
+
+class Clock:
+    """Wall-clock seconds per stage, in order."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {"imports": self.t0 - T_IMPORT}
+
+    def lap(self, stage: str) -> float:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self.last
+        self.last = now
+        return self.seconds[stage]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def eval_summary(report: dict[str, Any], suite_prompts: int | None) -> dict[str, Any]:
+    """Per drafter and method: τ and speed-up of every suite, mean, worst, best and worst/best;
+    τ_sim against online τ per suite; every parting and its class."""
+    drafters = {}
+    for name, methods in report["headline"].items():
+        drafters[name] = {}
+        for lab, h in methods.items():
+            pooled = report["drafters"][name]["methods"][lab]
+            drafters[name][lab] = {
+                "suites": {s: {k: t["drafters"][name][lab][k] for k in ("tau", "speedup", "identical")}
+                           for s, t in report["suites"].items()},
+                **h, "pooled_tau": pooled["tau"], "pooled_speedup": pooled["speedup"],
+                "identical_prompts": pooled["identical_prompts"]}
+    return {"prompts": report["prompts"], "suite_prompts": suite_prompts,  # None: each suite's own count
+            "suites": {s: {k: t[k] for k in ("prompts", "max_new_tokens", "baseline_tokens_per_s")}
+                       for s, t in report["suites"].items()},
+            "dtype": report["dtype"], "ar_tokens_per_s": report["baseline"]["tokens_per_s"], "drafters": drafters,
+            "tau_sim_vs_online": tau_sim_vs_online(report), "partings": parting_summary(report)}
+
+
+def summary_markdown(result: dict[str, Any]) -> str:
+    """The run's own tables: stage times, τ_sim against online τ, partings."""
+    s, rg = result["seconds"], result["regenerate"]
+    lines = ["## Quality run", "", "| stage | seconds | detail |", "| --- | ---: | --- |"]
+    detail = {
+        "prompts": f"{rg['prompts']} prompts",
+        "regenerate": f"{rg['completion_tokens']} tokens, {rg['tokens_per_s']:.0f} tokens/s, batch {rg['batch']}",
+        "tokenize": f"{result['tokenize']['written']} samples",
+        "train": f"{result['train']['steps']} steps (best τ_sim {result['train']['tau_sim']:.3f} at step "
+                 f"{result['train']['step']}), budget {result['train']['time_budget_s']:.0f} s",
+        "eval": f"{result['eval']['prompts']} prompts" if result["eval"] else "",
+    }
+    for stage, sec in s.items():
+        lines.append(f"| {stage} | {sec:.1f} | {detail.get(stage, '')} |")
+    ev = result["eval"]
+    if ev is None:
+        return "\n".join(lines) + "\n"
+    lines += ["", "τ_sim (held-out split of the training set, by category) against online DFlash τ of the suite "
+              "of the same name:", "", "| drafter | suite | τ_sim | τ online | τ_sim / τ - 1 |",
+              "| --- | --- | ---: | ---: | ---: |"]
+    for name, suites in ev["tau_sim_vs_online"].items():
+        lines += [f"| {name} | {suite} | {c['tau_sim']:.3f} | {c['tau']:.3f} | {c['rel_diff']:+.1%} |"
+                  for suite, c in suites.items()]
+    lines += ["", f"Partings from autoregressive decoding (each classified against {ev['dtype']} rounding):", "",
+              "| drafter/method | partings | numerical near-ties | unexplained |", "| --- | ---: | ---: | --- |"]
+    for key, p in ev["partings"].items():
+        lines.append(f"| {key} | {p['partings']} | {p['numerical']} | {', '.join(p['unexplained']) or 'none'} |")
+    if not ev["partings"]:
+        lines.append("| (all) | 0 | 0 | none |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--budget-s", type=float, default=480.0, help="wall clock for load + regenerate + tokenize + train")
-    p.add_argument("--regen-batch", type=int, default=512)
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="wall clock for load + prompts + regenerate + tokenize + train (the evaluation comes after)")
     p.add_argument("--suite-prompts", type=int, default=None, help="prompts per suite (default: each suite's count)")
-    p.add_argument("--json", help="write the result here")
+    p.add_argument("--suite-tokens", type=int, default=None,
+                   help="answer tokens per suite (default: each suite's own; fewer only for a quick check of the path)")
+    p.add_argument("--compare-bundled", action="store_true",
+                   help="evaluate the bundled drafter (src/dflashkit/assets/smollm2-drafter) beside the new one")
+    p.add_argument("--export-parts", metavar="DIR",
+                   help="write the new drafter as <= 15 MiB parts + SHA256SUMS here (checkpoint.join_drafter rejoins)")
+    p.add_argument("--json", help="write the result here (after training, then again after the evaluation)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    t0 = time.perf_counter()
+    clock = Clock()
     cfg = load_config(a.config, a.overrides)
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.target.device)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
-    t_load = time.perf_counter() - t0
+    clock.lap("load")
 
     d = cfg.data
     convs = load_prompts(d.prompts, limit=d.limit)
+    clock.lap("prompts")
     regen = out / "regenerated.jsonl"
-    rs = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=d.max_new_tokens), batch_size=a.regen_batch)
+    rs = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=d.max_new_tokens), batch_size=d.batch_size)
+    clock.lap("regenerate")
     tok_path = out / "tokenized.jsonl"
     ts = tokenize_file(regen, target.tokenizer, tok_path, max_length=d.max_length)
     samples = load_tokenized(tok_path)
-    t_data = time.perf_counter() - t0
+    clock.lap("tokenize")
 
-    cfg.train.time_budget_s = max(30.0, a.budget_s - t_data)
+    cfg.train.time_budget_s = max(30.0, a.budget_s - clock.elapsed())
     run_dir = train(cfg, target=target, samples=samples)
-    t_train = time.perf_counter() - t0
+    clock.lap("train")
+    best = run_dir / "best"
+    if a.export_parts:
+        split_drafter(best, a.export_parts)
+        clock.lap("export")
 
-    drafter = load_drafter(run_dir / "best", target, device=target.device, dtype=target.dtype)
-    suites = [(s, eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
-    report = evaluate_suites(target, {"trained": drafter}, suites, budgets=cfg.eval.ddtree_budgets,
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "config": a.config, "overrides": a.overrides, "budget_s": a.budget_s, "seconds": clock.seconds,
+        "regenerate": {"prompts": rs.written, "completion_tokens": rs.completion_tokens, "seconds": rs.seconds,
+                       "tokens_per_s": rs.tokens_per_s, "batch": d.batch_size},
+        "tokenize": {**asdict(ts), "problems": len(ts.problems)},
+        "train": {"steps": json.loads((run_dir / "latest.json").read_text())["step"],
+                  "time_budget_s": cfg.train.time_budget_s, **json.loads((run_dir / "best.json").read_text())},
+        "export": {"dir": a.export_parts, "files": sorted(f.name for f in Path(a.export_parts).iterdir())}
+        if a.export_parts else None,
+        "eval": None,
+    }
+    if a.json:  # the training's outcome is kept even if the evaluation does not finish
+        atomic_write_json(Path(a.json), result)
+
+    drafters = {"trained": load_drafter(best, target, device=target.device, dtype=target.dtype)}
+    if a.compare_bundled:
+        drafters["bundled"] = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
+    suites = [(replace(s, max_new_tokens=a.suite_tokens or s.max_new_tokens),
+               eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
+    report = evaluate_suites(target, drafters, suites, methods=("dflash", "ddtree"), budgets=cfg.eval.ddtree_budgets,
+                             top_k=cfg.eval.ddtree_top_k,
                              stop_ids=stop_token_ids(target.tokenizer, target.model.generation_config))
     report.update(target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M"),
-                  **training_tau_sim({"trained": run_dir / "best"}))
+                  **training_tau_sim({"trained": best}))
+    clock.lap("eval")
     write_report(report, out / "eval")  # JSON + Markdown + plots
-    methods = report["drafters"]["trained"]["methods"]
-    result = {
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "seconds": {"load": t_load, "data": t_data - t_load, "train": t_train - t_data, "total_budgeted": t_train},
-        "regenerate": {"prompts": rs.written, "completion_tokens": rs.completion_tokens, "tokens_per_s": rs.tokens_per_s},
-        "tokenize": {"samples": len(samples), "dropped": ts.dropped if hasattr(ts, "dropped") else None},
-        "train": json.loads((run_dir / "best.json").read_text()),
-        "eval": {"prompts": report["prompts"], "ar_tokens_per_s": report["baseline"]["tokens_per_s"],
-                 "headline": report["headline"]["trained"],
-                 "suites": {name: t["drafters"]["trained"] for name, t in report["suites"].items()},
-                 **{lab: {k: m[k] for k in ("tau", "rounds", "tokens_per_s", "speedup", "identical_prompts")}
-                    for lab, m in methods.items()}},
-    }
-    print(json.dumps(result, indent=2))
-    print(markdown(report))
+    clock.seconds["total"] = clock.elapsed() + clock.seconds["imports"]
+    result["eval"] = eval_summary(report, a.suite_prompts)
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        atomic_write_json(Path(a.json), result)
+    print(markdown(report))
+    print(summary_markdown(result))
     check_partings(report)
 
 

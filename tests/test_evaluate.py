@@ -19,8 +19,8 @@ from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
 from dflashkit.data.prompts import Suite
 from dflashkit.evaluate import (Prompt, answer_spans, check_partings, classify_parting, evaluate_offline, evaluate_online,
-                                evaluate_suites, markdown, method_labels, offline_accepted, replay_rounds, rounding_bound,
-                                summarize, write_report)
+                                evaluate_suites, markdown, method_labels, offline_accepted, parting_summary, replay_rounds,
+                                rounding_bound, summarize, tau_sim_vs_online, write_report)
 
 LABELS = method_labels(["dflash", "ddtree"], [4, 12])
 
@@ -250,13 +250,28 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
         h = rep["headline"]["d"][lab]
         assert h["mean_tau"] == pytest.approx((per["a"]["tau"] + per["b"]["tau"]) / 2)
         assert h["worst_tau"] == min(m["tau"] for m in per.values()) and per[h["worst_suite"]]["tau"] == h["worst_tau"]
+        assert h["best_tau"] == max(m["tau"] for m in per.values()) and h["worst_to_best"] == h["worst_tau"] / h["best_tau"]
         pooled = rep["drafters"]["d"]["methods"][lab]
         assert pooled["rounds"] == per["a"]["rounds"] + per["b"]["rounds"] and sum(pooled["hist"]) == pooled["rounds"]
         assert pooled["identical"] is True and pooled["unexplained_partings"] == []
     assert rep["baseline"]["tokens"] == 2 * 12 + 3 * 20
     md = markdown(rep)
-    assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md
+    assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
     check_partings(rep)  # nothing to explain
+    assert parting_summary(rep) == {}
+    # τ_sim of a training category beside online DFlash τ of the suite of the same name only
+    rep["tau_sim"] = {"d": {"a": 2.0, "writing": 3.0}}
+    tau_a = rep["suites"]["a"]["drafters"]["d"]["dflash"]["tau"]
+    assert tau_sim_vs_online(rep) == {"d": {"a": {"tau_sim": 2.0, "tau": tau_a, "rel_diff": pytest.approx(2.0 / tau_a - 1)}}}
+
+
+def test_parting_summary_counts_every_parting_by_class():
+    rep = {"per_prompt": [
+        {"id": "p1", "suite": "code", "partings": {"d/dflash": {"numerical": True}, "d/ddtree-64": {"numerical": False}}},
+        {"id": "p2", "suite": "math", "partings": {"d/dflash": {"numerical": True}}},
+        {"id": "p3", "suite": "math"}]}
+    assert parting_summary(rep) == {"d/dflash": {"partings": 2, "numerical": 2, "unexplained": []},
+                                    "d/ddtree-64": {"partings": 1, "numerical": 0, "unexplained": ["code/p1"]}}
 
 
 def test_rounding_bound_is_ulps_at_the_magnitude():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import logging
 import sys
@@ -29,8 +28,8 @@ from dflashkit.data.prompts import (
     to_jsonl,
     token_jaccard,
 )
+from dflashkit.data.trainset import generate
 
-REPO = Path(__file__).resolve().parents[1]
 CATEGORIES = {"code", "math", "chat", "writing", "multiturn"}
 
 # One record per shape, and the messages each must become.
@@ -278,9 +277,17 @@ def test_eval_suites_fixed_counts_and_shapes() -> None:
         load_suite("nope")
 
 
-def test_builtin_set_is_reproducible(builtin_records: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("make_train_prompts", REPO / "tools" / "make_train_prompts.py")
-    generator = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts src/ on sys.path
-    spec.loader.exec_module(generator)
-    assert generator.generate() == builtin_records
+def test_builtin_set_is_reproducible(builtin_records: list[dict]) -> None:
+    assert generate() == builtin_records
+
+
+def test_builtin_of_any_size() -> None:
+    """'builtin:N' generates N prompts in memory: ids with category labels (the held-out split's
+    suites), none near an evaluation prompt (the generator drops those)."""
+    convs = load_prompts("builtin:300")
+    assert len(convs) == 300 and len({c.id for c in convs}) == 300
+    assert {c.id.rsplit("-", 1)[0] for c in convs} == CATEGORIES and all(c.source == "builtin" for c in convs)
+    assert [c.id for c in load_prompts("builtin:300", limit=5)] == [c.id for c in convs[:5]]
+    for bad in ("builtin:0", "builtin:x", "builtin:"):
+        with pytest.raises(ValueError, match="expected builtin:N"):
+            load_prompts(bad)

@@ -1,93 +1,26 @@
 #!/usr/bin/env python3
-"""Generate the built-in training prompt set, ``src/dflashkit/assets/train_prompts.jsonl``, from the
-templates and vocabularies of ``tools/train_prompts.yaml`` (code, math, chat, writing, multi-turn).
-
-Deterministic (a fixed seed). A candidate is dropped when it repeats an earlier one or comes near
-an evaluation prompt (every suite of ``EVAL_SUITES`` and all of HumanEval): a shared run of
-``NGRAM`` words, or a token Jaccard similarity >= ``NEAR_COPY``.
+"""Write the built-in training prompt set, ``src/dflashkit/assets/train_prompts.jsonl``, with
+``dflashkit.data.trainset.generate`` (templates: ``src/dflashkit/assets/train_prompts.yaml``).
 
     python3 tools/make_train_prompts.py                               # rewrites the asset (2,200)
     python3 tools/make_train_prompts.py --count 22000 --out big.jsonl  # ten times more
+
+Training needs no file for other sizes: ``data.prompts: builtin:22000`` generates them in memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import re
 import sys
 from pathlib import Path
-
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # runnable from a checkout without installing the package
 
 from dflashkit.checkpoint import atomic_write_bytes  # noqa: E402
-from dflashkit.data.prompts import (  # noqa: E402
-    NEAR_COPY, builtin_prompts_path, eval_prompt_texts, prompt_ngrams, prompt_tokens, token_jaccard,
-)
-
-DATA = Path(__file__).with_name("train_prompts.yaml")
-SEED = 20261201
-COUNT = 2200
-SLOT = re.compile(r"\{(\w+?)(\d*)(?::(\d+)-(\d+))?\}")
-
-
-def fill(template: str, vocab: dict[str, list[str]], values: dict[str, str], r: random.Random) -> str:
-    """Replace every slot; `values` keeps one value per slot name across a prompt's turns."""
-    def one(m: re.Match) -> str:
-        base, suffix, lo, hi = m.groups()
-        key = base + suffix
-        if key not in values:
-            if lo is not None:
-                values[key] = str(r.randint(int(lo), int(hi)))
-            else:
-                pool = vocab.get(key) or vocab.get(base)
-                if pool is None:
-                    raise KeyError(f"{DATA}: template slot {{{key}}} has no vocabulary {base!r}")
-                taken = {values.get(base + s) for s in ("", "2", "3")}
-                values[key] = r.choice([v for v in pool if v not in taken] or pool)
-        return values[key]
-    return SLOT.sub(one, template)
-
-
-def generate(count: int = COUNT, seed: int = SEED) -> list[dict]:
-    spec = yaml.safe_load(DATA.read_text(encoding="utf-8"))
-    vocab, weights, categories = spec["vocab"], spec["weights"], spec["categories"]
-    r = random.Random(seed)
-    ngrams = set().union(*(prompt_ngrams(t) for t in eval_prompt_texts()))
-    references = [prompt_tokens(t) for t in eval_prompt_texts()]
-    names = list(categories)
-    quota = {c: round(count * weights[c] / sum(weights.values())) for c in names}
-    quota[names[0]] += count - sum(quota.values())
-    seen: set[str] = set()
-    made: dict[str, list[list[dict]]] = {c: [] for c in names}
-    for c in names:
-        tries = 0
-        while len(made[c]) < quota[c]:
-            tries += 1
-            if tries > 50 * quota[c]:
-                raise RuntimeError(f"{DATA}: category {c!r} ran out of distinct prompts after {len(made[c])}; "
-                                   "add templates or vocabulary")
-            template = r.choice(categories[c])
-            turns = template if isinstance(template, list) else [template]
-            values: dict[str, str] = {}
-            texts = [fill(t, vocab, values, r) for t in turns]
-            key = "\n".join(texts)
-            if key in seen or prompt_ngrams(key) & ngrams:
-                continue
-            tokens = prompt_tokens(key)
-            if any(token_jaccard(tokens, ref) >= NEAR_COPY for ref in references):
-                continue
-            seen.add(key)
-            made[c].append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)])
-    # interleave the categories (seeded), so that any prefix of the file covers all of them
-    order = [c for c in names for _ in made[c]]
-    r.shuffle(order)
-    its = {c: iter(made[c]) for c in names}
-    return [{"id": f"{c}-{i:05d}", "messages": next(its[c]), "category": c} for i, c in enumerate(order, 1)]
+from dflashkit.data.prompts import builtin_prompts_path  # noqa: E402
+from dflashkit.data.trainset import COUNT, SEED, generate  # noqa: E402
 
 
 def main() -> None:

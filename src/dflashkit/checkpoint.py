@@ -7,6 +7,7 @@ ship; our training state (optimiser, scheduler, RNG, data position) lives beside
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -161,6 +162,53 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(state)
     return drafter.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+
+
+# Parts for moving a drafter through a channel that caps file sizes (a remote GPU job may return
+# files of at most 16 MB each): 15 MiB is under that cap in any unit.
+PART_BYTES = 15 * 2**20
+SUMS = "SHA256SUMS"
+
+
+def split_drafter(src: str | Path, out: str | Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """A drafter directory -> `out`: config.json, model.safetensors cut into parts of at most
+    `part_bytes` (model.safetensors.part000, part001, ...) and SHA256SUMS of the two whole files,
+    in `sha256sum` format. `join_drafter` puts the directory back; so does a shell in `out`:
+    `cat model.safetensors.part* > model.safetensors && sha256sum -c SHA256SUMS`."""
+    src, out = Path(src), Path(out)
+    load_config(src)  # a broken drafter fails here, not after the transfer
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{WEIGHTS}.part*"):  # left by a larger drafter, they would be joined too
+        stale.unlink()
+    config, weights = (src / CONFIG).read_bytes(), (src / WEIGHTS).read_bytes()
+    files = [out / CONFIG]
+    atomic_write_bytes(files[0], config)
+    for i, start in enumerate(range(0, len(weights), part_bytes)):
+        files.append(out / f"{WEIGHTS}.part{i:03d}")
+        atomic_write_bytes(files[-1], weights[start:start + part_bytes])
+    files.append(out / SUMS)
+    atomic_write_bytes(files[-1], "".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n"
+                                          for name, data in ((CONFIG, config), (WEIGHTS, weights))).encode())
+    return files
+
+
+def join_drafter(parts: str | Path, out: str | Path) -> Path:
+    """`split_drafter`'s parts -> the drafter directory `out` (config.json + model.safetensors),
+    each file checked against SHA256SUMS before it is written."""
+    parts, out = Path(parts), Path(out)
+    sums = {name: digest for digest, name in (line.split(maxsplit=1) for line in (parts / SUMS).read_text().splitlines())}
+    pieces = sorted(parts.glob(f"{WEIGHTS}.part*"))
+    files = {CONFIG: (parts / CONFIG).read_bytes(), WEIGHTS: b"".join(p.read_bytes() for p in pieces)}
+    for name, data in files.items():
+        if hashlib.sha256(data).hexdigest() != sums.get(name):
+            raise CheckpointError(f"{parts}: {name} does not match its SHA-256 in {SUMS} "
+                                  f"({len(pieces)} weight parts found: one missing or damaged?)")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        atomic_write_bytes(out / name, data)
+    return out
 
 
 def target_problems(config: DrafterConfig, target: Any) -> list[str]:

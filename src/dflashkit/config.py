@@ -62,7 +62,8 @@ class DrafterSettings(_Section):
 
 
 class DataConfig(_Section):
-    prompts: str = Field("builtin", description="'builtin', 'humaneval', a JSONL/JSON/Parquet file or a datasets name")
+    prompts: str = Field("builtin", description="'builtin' (2,200 prompts), 'builtin:N' (N of the same "
+                         "generator), 'humaneval', a JSONL/JSON/Parquet file or a datasets name")
     limit: Int | None = Field(None, ge=1)
     regenerated: str | None = Field(None, description="JSONL of target-written answers (output of `regenerate`)")
     tokenized: str | None = Field(None, description="JSONL of token ids + loss masks (output of `tokenize`)")

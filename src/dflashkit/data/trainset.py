@@ -1,0 +1,84 @@
+"""The built-in training prompt set, generated from the templates and vocabularies of
+``assets/train_prompts.yaml`` (code, math, chat, writing, multi-turn).
+
+Deterministic (a fixed seed): ``generate()`` is the packaged ``assets/train_prompts.jsonl``
+(2,200 prompts; ``tools/make_train_prompts.py`` rewrites it), and ``load_prompts("builtin:N")``
+calls ``generate(N)`` for a set of any size. A candidate is dropped when it repeats an earlier one
+or comes near an evaluation prompt (every suite of ``EVAL_SUITES`` and all of HumanEval): a shared
+run of ``NGRAM`` words, or a token Jaccard similarity >= ``NEAR_COPY``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from dflashkit.data.prompts import NEAR_COPY, eval_prompt_texts, prompt_ngrams, prompt_tokens, token_jaccard
+
+SEED = 20261201
+COUNT = 2200  # the size of the packaged set
+SLOT = re.compile(r"\{(\w+?)(\d*)(?::(\d+)-(\d+))?\}")
+
+
+def templates_path() -> Path:
+    return Path(str(resources.files("dflashkit") / "assets" / "train_prompts.yaml"))
+
+
+def fill(template: str, vocab: dict[str, list[str]], values: dict[str, str], r: random.Random) -> str:
+    """Replace every slot; `values` keeps one value per slot name across a prompt's turns."""
+    def one(m: re.Match) -> str:
+        base, suffix, lo, hi = m.groups()
+        key = base + suffix
+        if key not in values:
+            if lo is not None:
+                values[key] = str(r.randint(int(lo), int(hi)))
+            else:
+                pool = vocab.get(key) or vocab.get(base)
+                if pool is None:
+                    raise KeyError(f"{templates_path()}: template slot {{{key}}} has no vocabulary {base!r}")
+                taken = {values.get(base + s) for s in ("", "2", "3")}
+                values[key] = r.choice([v for v in pool if v not in taken] or pool)
+        return values[key]
+    return SLOT.sub(one, template)
+
+
+def generate(count: int = COUNT, seed: int = SEED) -> list[dict]:
+    """`count` records {"id": "<category>-NNNNN", "messages", "category"}, categories interleaved."""
+    spec = yaml.safe_load(templates_path().read_text(encoding="utf-8"))
+    vocab, weights, categories = spec["vocab"], spec["weights"], spec["categories"]
+    r = random.Random(seed)
+    ngrams = set().union(*(prompt_ngrams(t) for t in eval_prompt_texts()))
+    references = [prompt_tokens(t) for t in eval_prompt_texts()]
+    names = list(categories)
+    quota = {c: round(count * weights[c] / sum(weights.values())) for c in names}
+    quota[names[0]] += count - sum(quota.values())
+    seen: set[str] = set()
+    made: dict[str, list[list[dict]]] = {c: [] for c in names}
+    for c in names:
+        tries = 0
+        while len(made[c]) < quota[c]:
+            tries += 1
+            if tries > 50 * quota[c]:
+                raise RuntimeError(f"{templates_path()}: category {c!r} ran out of distinct prompts after "
+                                   f"{len(made[c])}; add templates or vocabulary")
+            template = r.choice(categories[c])
+            turns = template if isinstance(template, list) else [template]
+            values: dict[str, str] = {}
+            texts = [fill(t, vocab, values, r) for t in turns]
+            key = "\n".join(texts)
+            if key in seen or prompt_ngrams(key) & ngrams:
+                continue
+            tokens = prompt_tokens(key)
+            if any(token_jaccard(tokens, ref) >= NEAR_COPY for ref in references):
+                continue
+            seen.add(key)
+            made[c].append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)])
+    # interleave the categories (seeded), so that any prefix of the file covers all of them
+    order = [c for c in names for _ in made[c]]
+    r.shuffle(order)
+    its = {c: iter(made[c]) for c in names}
+    return [{"id": f"{c}-{i:05d}", "messages": next(its[c]), "category": c} for i, c in enumerate(order, 1)]
