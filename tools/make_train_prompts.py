@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # runnable from a checkout without installing the package
 
 from dflashkit.checkpoint import atomic_write_bytes  # noqa: E402
-from dflashkit.data.prompts import builtin_prompts_path  # noqa: E402
+from dflashkit.data.prompts import builtin_prompts_path, near_evaluation  # noqa: E402
 from dflashkit.data.trainset import COUNT, SEED, generate  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=str(builtin_prompts_path()), help="output JSONL (default: the packaged asset)")
     a = p.parse_args()
-    records = generate(a.count, a.seed)
+    records = generate(near_evaluation(), a.count, a.seed)
     atomic_write_bytes(Path(a.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
     print(f"wrote {len(records)} prompts to {a.out}")
 

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -149,9 +149,9 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
         count = name.removeprefix("builtin:")
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"{name!r}: expected builtin:N with N a positive number of prompts (e.g. builtin:22000)")
-        from dflashkit.data.trainset import generate  # imports this module
+        from dflashkit.data.trainset import generate
 
-        return _collect(enumerate(generate(int(count)), 1), origin=name, unit="record", id_prefix="builtin",
+        return _collect(enumerate(generate(near_evaluation(), int(count)), 1), origin=name, unit="record", id_prefix="builtin",
                         source="builtin", limit=limit)
     path = Path(name).expanduser()
     suffix = path.suffix.lower()
@@ -207,6 +207,21 @@ def eval_prompt_texts() -> list[str]:
     prompts training data must keep away from."""
     convs = _load_humaneval() + [c for s in EVAL_SUITES if s.name != "humaneval" for c in load_suite(s.name)]
     return ["\n".join(m["content"] for m in c.messages) for c in convs]
+
+
+def near_evaluation() -> Callable[[str], bool]:
+    """A test for training text: true when it shares a run of words (`prompt_ngrams`) with an
+    evaluation prompt or is a near copy of one (`token_jaccard` >= NEAR_COPY)."""
+    texts = eval_prompt_texts()
+    ngrams = set().union(*(prompt_ngrams(t) for t in texts))
+    references = [prompt_tokens(t) for t in texts]
+
+    def near(text: str) -> bool:
+        if prompt_ngrams(text) & ngrams:
+            return True
+        tokens = prompt_tokens(text)
+        return any(token_jaccard(tokens, ref) >= NEAR_COPY for ref in references)
+    return near
 
 
 def prompt_tokens(text: str) -> frozenset[str]:

@@ -4,20 +4,20 @@
 Deterministic (a fixed seed): ``generate()`` is the packaged ``assets/train_prompts.jsonl``
 (2,200 prompts; ``tools/make_train_prompts.py`` rewrites it), and ``load_prompts("builtin:N")``
 calls ``generate(N)`` for a set of any size. A candidate is dropped when it repeats an earlier one
-or comes near an evaluation prompt (every suite of ``EVAL_SUITES`` and all of HumanEval): a shared
-run of ``NGRAM`` words, or a token Jaccard similarity >= ``NEAR_COPY``.
+or comes near an evaluation prompt (``near_eval``: ``data.prompts.near_evaluation()`` tests every
+suite and all of HumanEval for a shared run of words or a near-copy).
 """
 
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from dflashkit.data.prompts import NEAR_COPY, eval_prompt_texts, prompt_ngrams, prompt_tokens, token_jaccard
 
 SEED = 20261201
 COUNT = 2200  # the size of the packaged set
@@ -46,13 +46,12 @@ def fill(template: str, vocab: dict[str, list[str]], values: dict[str, str], r: 
     return SLOT.sub(one, template)
 
 
-def generate(count: int = COUNT, seed: int = SEED) -> list[dict]:
-    """`count` records {"id": "<category>-NNNNN", "messages", "category"}, categories interleaved."""
+def generate(near_eval: Callable[[str], bool], count: int = COUNT, seed: int = SEED) -> list[dict]:
+    """`count` records {"id": "<category>-NNNNN", "messages", "category"}, categories interleaved;
+    none for which `near_eval(text)` is true."""
     spec = yaml.safe_load(templates_path().read_text(encoding="utf-8"))
     vocab, weights, categories = spec["vocab"], spec["weights"], spec["categories"]
     r = random.Random(seed)
-    ngrams = set().union(*(prompt_ngrams(t) for t in eval_prompt_texts()))
-    references = [prompt_tokens(t) for t in eval_prompt_texts()]
     names = list(categories)
     quota = {c: round(count * weights[c] / sum(weights.values())) for c in names}
     quota[names[0]] += count - sum(quota.values())
@@ -70,10 +69,7 @@ def generate(count: int = COUNT, seed: int = SEED) -> list[dict]:
             values: dict[str, str] = {}
             texts = [fill(t, vocab, values, r) for t in turns]
             key = "\n".join(texts)
-            if key in seen or prompt_ngrams(key) & ngrams:
-                continue
-            tokens = prompt_tokens(key)
-            if any(token_jaccard(tokens, ref) >= NEAR_COPY for ref in references):
+            if key in seen or near_eval(key):
                 continue
             seen.add(key)
             made[c].append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)])
