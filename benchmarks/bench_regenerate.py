@@ -2,8 +2,8 @@
 side in one run, on the SmolLM2 testbed (built-in training prompts, greedy).
 
 Every back-end answers the same prompts, longest first, with the target's stop tokens, in batches
-of `--batch` (`refill`: at most `--batch` rows, a finished row refilled at once, as `regenerate`
-runs); tokens/s = generated tokens / wall time of the whole pass (prefill included), after
+of `--batch` (`refill`: at most `--batch` rows, a finished row refilled at once through
+`decode_stream`'s admissions, as `serve` does; `regenerate` runs whole batches, measured faster); tokens/s = generated tokens / wall time of the whole pass (prefill included), after
 an untimed pass over the first batches (graph capture, compilation). "identical" counts answers
 whose tokens are equal between the two back-ends (bf16 near-ties may part).
 
@@ -23,7 +23,7 @@ import torch
 from dflashkit.data.chat import prompt_ids
 from dflashkit.data.prompts import load_prompts
 from dflashkit.data.regenerate import context_messages
-from dflashkit.decode.loop import Request, generate_batch, generate_refilled, make_engine
+from dflashkit.decode.loop import Request, decode_stream, generate_batch, make_engine
 from dflashkit.target import Target, load_target
 from dflashkit.vocab import stop_token_ids
 
@@ -40,13 +40,23 @@ def engine_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
 
 
 def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
-    """What `regenerate` runs: at most --batch rows, each refilled with the next prompt when it ends."""
+    """At most --batch rows, a finished row refilled with the next prompt at once (continuous
+    batching through `decode_stream`'s admissions, as `serve` does)."""
     engine = make_engine(target, None, "auto")
     prompts = [p for b in batches for p in b]
+    rows = len(batches[0])
+    queue = iter(range(rows, len(prompts)))
+    order = list(range(min(rows, len(prompts))))  # stream index -> prompt index
+
+    def admit(running: int) -> list[Request]:
+        new = [i for _, i in zip(range(rows - running), queue)]
+        order.extend(new)
+        return [Request(torch.tensor(prompts[i]), n, stop_ids=frozenset(stops)) for i in new]
+
     out: dict[int, list[int]] = {}
-    for i, g in generate_refilled(engine, [Request(torch.tensor(p), n, stop_ids=frozenset(stops)) for p in prompts],
-                                  len(batches[0]), method="ar"):
-        out[i] = g.tokens
+    for step in decode_stream(engine, [torch.tensor(prompts[i]) for i in order], method="ar", max_new_tokens=n,
+                              stop_ids=stops, admit=admit):
+        out.update((order[k], g.tokens) for k, _, g in step if g.finish_reason)
     return [out[i] for i in range(len(prompts))]
 
 
@@ -73,7 +83,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--backends", default="engine,refill,transformers",
-                   help="engine: whole batches; refill: rows refilled as they finish (what regenerate runs); transformers")
+                   help="engine: whole batches (what regenerate runs); refill: rows refilled as they finish; transformers")
     p.add_argument("--json")
     args = p.parse_args()
     target = load_target(None, dtype=args.dtype, device=args.device)

@@ -132,43 +132,48 @@ def _write(out: TextIO, conv: Conversation, context: list[dict], answer: str, fi
 
 def regenerate_local(target: Any, conversations: list[Conversation], out_path: str | Path, params: GenerationParams,
                      *, batch_size: int = 8, engine: str = "auto") -> RegenerateStats:
-    """Answer with the target itself on dflashkit's decoding engine (autoregressive rounds; on a
-    GPU the static engine with CUDA graphs), `batch_size` answers at a time: a row that finishes
-    is refilled with the next prompt at once (continuous batching), so the batch never idles on
-    its longest answer. Each answer samples from its own random stream, seeded by `params.seed`
-    and the conversation id, so it does not depend on which prompts share the batch or where an
-    earlier run stopped (in bf16, batched kernels may still round near-ties differently)."""
+    """Answer with the target itself, `batch_size` prompts at a time, on dflashkit's decoding
+    engine (autoregressive rounds; on a GPU the static engine with CUDA graphs). Whole batches,
+    not rows refilled as they finish: on an H200 refilling ran at a quarter of the speed, each
+    joining prompt's prefill stalling the batch (docs/benchmarks.md). Each answer
+    samples from its own random stream, seeded by `params.seed` and the conversation id, so an
+    answer does not depend on which prompts share its batch or where an earlier run stopped."""
     from dflashkit.decode.generation import Sampling
-    from dflashkit.decode.loop import Request, generate_refilled, make_engine
+    from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
 
     tok = target.tokenizer
-    stops = frozenset(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+    stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     decoder = make_engine(target, None, engine)
     contexts = [context_messages(c) for c in conversations]
     ids = [prompt_ids(tok, m, thinking=params.thinking) for m in contexts]
-
-    def request(i: int) -> Request:
-        seed = zlib.crc32(f"{params.seed}:{conversations[i].id}".encode())
-        return Request(torch.tensor(ids[i]), params.max_new_tokens, Sampling(params.temperature, params.top_p, seed=seed),
-                       stops)
-
+    # The plan covers every prompt, done or not, and a batch re-runs whole, so that batches (and
+    # thus the numerics of batched kernels) do not depend on where an earlier run stopped.
+    # Longest first: little padding, and an out-of-memory shows at once.
+    order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
+    plan = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     stats = RegenerateStats(prompts=len(conversations))
     with open_output(out_path, params) as (out, done):
         stats.already_done = sum(c.id in done for c in conversations)
-        # Longest first: an out-of-memory shows at once, and short answers fill the tail.
-        todo = sorted((i for i, c in enumerate(conversations) if c.id not in done), key=lambda i: (-len(ids[i]), i))
         bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
         t0 = time.perf_counter()
-        for k, g in generate_refilled(decoder, [request(i) for i in todo], batch_size, method="ar"):
-            i = todo[k]
-            row = g.tokens  # the stop token, if any, is the last one
-            stopped = g.finish_reason == "stop"
-            answer = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-            _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), params, row)
-            stats.written += 1
-            stats.completion_tokens += len(row)
-            bar.update(1)
+        for batch in plan:
+            if all(conversations[i].id in done for i in batch):
+                continue
+            sampling = [Sampling(params.temperature, params.top_p, seed=zlib.crc32(f"{params.seed}:{conversations[i].id}".encode()))
+                        for i in batch]
+            gens = generate_batch(decoder, [torch.tensor(ids[i]) for i in batch], method="ar",
+                                  max_new_tokens=params.max_new_tokens, sampling=sampling, stop_ids=stops)
+            for i, g in zip(batch, gens):
+                if conversations[i].id in done:
+                    continue
+                row = g.tokens  # the stop token, if any, is the last one
+                stopped = g.finish_reason == "stop"
+                answer = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+                _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), params, row)
+                stats.written += 1
+                stats.completion_tokens += len(row)
+                bar.update(1)
         stats.seconds = time.perf_counter() - t0
         bar.close()
     return stats

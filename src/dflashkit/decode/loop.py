@@ -300,28 +300,6 @@ def generate_batch(engine: Engine, prompts: Sequence[Tensor], **kw: Any) -> list
     return [out[i] for i in range(len(prompts))]
 
 
-def generate_refilled(engine: Engine, requests: Sequence[Request], rows: int, **kw: Any) -> Iterator[tuple[int, Generation]]:
-    """Decode many requests with at most `rows` in the batch at a time, a finished row refilled
-    with the next request at once (continuous batching). Yields (request index, finished
-    `Generation`) as each ends; `kw` as `decode_stream` (method, budget, ...)."""
-    if not requests:
-        return
-    queue = iter(range(rows, len(requests)))
-    order = list(range(min(rows, len(requests))))  # stream index -> request index
-
-    def admit(running: int) -> list[Request]:
-        new = [i for _, i in zip(range(rows - running), queue)]
-        order.extend(new)
-        return [requests[i] for i in new]
-
-    first = [requests[i] for i in order]
-    for step in decode_stream(engine, [r.prompt for r in first], max_new_tokens=[r.max_new_tokens for r in first],
-                              sampling=[r.sampling for r in first], stop_ids=[r.stop_ids for r in first], admit=admit, **kw):
-        for k, _, g in step:
-            if g.finish_reason:
-                yield order[k], g
-
-
 def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
     """One prompt ([1, T] or [T]) to the end: its finished `Generation`."""
     if prompt_ids.ndim == 2 and prompt_ids.shape[0] != 1:
