@@ -332,7 +332,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes of the same kind (CPU smoke test)")
     ap.add_argument("--check-features", action="store_true",
                     help="compare the runner's features with Transformers' forward per tapped layer (last)")
-    ap.add_argument("--rollback", action="store_true", help="hybrids: time the rollback designs on the state alone (first)")
+    ap.add_argument("--rollback", action="store_true",
+                    help="hybrids: only time the rollback designs on the state's shapes (no model is built)")
     ap.add_argument("--layers", type=int, default=None, help="keep only this many of the target's layers")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on GPU")
     ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
@@ -363,9 +364,12 @@ def main() -> int:
     res["transformers"] = transformers.__version__
     res["self_check"] = self_check(device, hybrid)
     print(f"self-check (tiny, greedy == target.generate for every engine): {res['self_check']}", flush=True)
-    if args.rollback and hybrid:
+    if args.rollback:
+        if not hybrid:
+            ap.error("--rollback needs a hybrid --target (qwen3.6-27b)")
         res["rollback"] = rollback_designs(shape, device)
         save()
+        return 0
     t_build = time.perf_counter()
     target, drafter = make_models(shape, device, dtype, drafter_layers=2 if args.tiny else 5)
     res["build_s"] = time.perf_counter() - t_build
