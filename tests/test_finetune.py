@@ -63,3 +63,25 @@ def test_finetune_workflow_tiny(tmp_path, one_thread):
     rep = evaluate_offline({"before": start, "after": after}, target, held, methods=["dflash"])
     tau = {n: d["methods"]["dflash"]["tau"] for n, d in rep["drafters"].items()}
     assert tau["after"] > tau["before"] + 0.3, tau
+
+
+def test_the_starting_drafter_is_a_candidate_for_best(tmp_path, one_thread):
+    """Fine-tuning that never improves held-out τ_sim leaves best/ = the starting drafter (step 0),
+    never a worse one."""
+    target = make_tiny_target()
+    g = torch.Generator().manual_seed(1)
+    samples = [TokenizedSample(f"s-{i}", torch.randint(3, 120, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
+               for i in range(8)]
+    start = make_tiny_drafter(target)
+    save_drafter(start, tmp_path / "start")
+    extract_features(target, samples, list(start.config.target_layer_ids), tmp_path / "feats", dtype="float32")
+    cfg = load_config(REPO / "configs" / "finetune.yaml", [
+        f"drafter.init_from={tmp_path / 'start'}", f"data.features={tmp_path / 'feats'}",
+        f"train.output_dir={tmp_path / 'ft'}", "train.max_steps=2", "train.batch_size=2", "train.micro_batch_size=2",
+        "train.anchors_per_seq=8", "train.eval_every=1", "train.eval_samples=2", "train.lr=1e-12",
+        "train.tensorboard=false", "target.device=cpu"])
+    out = train(cfg, target=target, samples=FeatureCache(tmp_path / "feats"))
+    assert json.loads((out / "best.json").read_text())["step"] == 0
+    best = load_drafter(out / "best", target)
+    for name, p in start.state_dict().items():
+        torch.testing.assert_close(best.state_dict()[name], p, msg=name)

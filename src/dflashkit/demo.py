@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         return train(tcfg, target=target, samples=cache, feature_layer_ids=layer_ids, overwrite=True)
 
     stages.run("adapt", adapt)
-    # best by tau_sim on the held-out split (the starting drafter is not a candidate: after a step)
+    # best by tau_sim on the held-out split; the bundled drafter itself (step 0) is a candidate
     adapted_dir = run_dir / ("best" if (run_dir / "best").is_dir() else "final")
     drafter_dirs = {"adapted": adapted_dir, "bundled": bundled_drafter_dir()}
     for name, src in drafter_dirs.items():  # the drafters, in reference format, beside the report

@@ -806,6 +806,31 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
 
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not d.main, dynamic_ncols=True)
     t_last, tokens = time.perf_counter(), 0.0
+    def evaluate(done: int) -> None:
+        """Held-out metrics at step `done`; `best/` follows the highest tau_sim."""
+        nonlocal best
+        ev = trainer.evaluate((batcher.build(items, noise=False), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
+        metrics.log(done, "eval", ev)
+        check_finite(done, {"loss": ev["loss"]})
+        if d.main:
+            log.info("eval step %d: tau_sim %.3f acc %.3f loss %.4f (per slot %s)", done, ev["tau_sim"], ev["acc"],
+                     ev["loss"], ev["slot_acc"])
+        if ev["tau_sim"] > best["tau_sim"]:
+            best = {"tau_sim": ev["tau_sim"], "step": done}
+            if eval_groups:  # per suite, for comparison with online τ suite by suite
+                best["tau_sim_by_suite"] = {g: trainer.evaluate(
+                    (batcher.build(items, noise=False), counted) for items, counted in eval_items(idx, tc.micro_batch_size, d))["tau_sim"]
+                    for g, idx in eval_groups.items()}
+            params = trainer.full_params()
+            check_finite(done, {}, params)
+            if d.main:
+                _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
+                atomic_write_json(out_dir / "best.json", best)
+
+    if eval_idx and start == 0 and cfg.drafter.init_from:
+        # Fine-tuning: the starting drafter is a candidate too, so that best/ is never worse on
+        # the held-out split than what training started from (best.json says step 0 then).
+        evaluate(0)
     fit_from = start + 2 if tc.time_budget_s and start == 0 else None
     step = start
     while step < total:
@@ -836,23 +861,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
                 log.info("step %d/%d loss %.4f acc %.3f lr %.2e grad-norm %.3f %.0f block-tokens/s", done, total,
                          stats["loss"], stats["acc"], stats["lr"], stats["grad_norm"], stats["block_tokens_per_s"])
         if eval_idx and (done % tc.eval_every == 0 or done == total):
-            ev = trainer.evaluate((batcher.build(items, noise=False), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
-            metrics.log(done, "eval", ev)
-            check_finite(done, {"loss": ev["loss"]})
-            if d.main:
-                log.info("eval step %d: tau_sim %.3f acc %.3f loss %.4f (per slot %s)", done, ev["tau_sim"], ev["acc"],
-                         ev["loss"], ev["slot_acc"])
-            if ev["tau_sim"] > best["tau_sim"]:
-                best = {"tau_sim": ev["tau_sim"], "step": done}
-                if eval_groups:  # per suite, for comparison with online τ suite by suite
-                    best["tau_sim_by_suite"] = {g: trainer.evaluate(
-                        (batcher.build(items, noise=False), counted) for items, counted in eval_items(idx, tc.micro_batch_size, d))["tau_sim"]
-                        for g, idx in eval_groups.items()}
-                params = trainer.full_params()
-                check_finite(done, {}, params)
-                if d.main:
-                    _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
-                    atomic_write_json(out_dir / "best.json", best)
+            evaluate(done)
         if done % tc.save_every == 0 or done == total:
             checkpoint(done)
     bar.close()
