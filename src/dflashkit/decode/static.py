@@ -407,10 +407,8 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
         K1 = conv.shape[1]  # the last K-1 committed inputs: slots commit .. commit + K-2 of seq
         conv.copy_(seq.gather(1, (commit[:, None] + torch.arange(K1, device=x.device))[..., None].expand(-1, -1, C)))
         part = ()
-    o = o.transpose(1, 2).to(x.dtype)  # [b, t, h, dv]
-    o32 = o.float()
-    o = (m.norm * (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
-    o = (o * F.silu(z.reshape(b, t, value_heads, -1).float())).to(x.dtype)  # the gated norm of Qwen3.5
+    o = rms_norm(o.transpose(1, 2).to(x.dtype), m.norm, eps)  # [b, t, h, dv]; then the gate of Qwen3.5's norm
+    o = (o * F.silu(z.reshape(b, t, value_heads, -1).float())).to(x.dtype)
     return o.reshape(b, t, -1), part
 
 
