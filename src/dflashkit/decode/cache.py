@@ -200,6 +200,8 @@ class LinearState:
         if not rows:
             return
         p, dev = self.pending, self.rec.device
+        if p is None:
+            raise RuntimeError("LinearState.commit: no verification pass to commit (verify, then commit once)")
         r = torch.tensor(rows, device=dev)
         leaf = torch.tensor([keep[i][-1] for i in rows], device=dev)
         L, m = self.rec.shape[0], len(rows)
