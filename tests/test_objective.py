@@ -352,7 +352,7 @@ def test_feature_noise_reaches_fc_inputs_only(tiny_target, monkeypatch):
     assert (noisy.features - clean.features).std() > 2.0
     # held-out evaluation (tau_sim) sees the clean features the drafter will be served with
     held_out = _batcher(tiny_target, drafter, samples, layers, loss="kl", anchors_per_seq=4,
-                        feature_noise=5.0).build([(7, 1)], noise=False)
+                        feature_noise=5.0).build([(7, 1)], held_out=True)
     assert torch.equal(held_out.features, clean.features)
     seen = []
     import dflashkit.objective as obj

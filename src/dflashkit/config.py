@@ -104,6 +104,9 @@ class TrainConfig(_Section):
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="under torchrun: DDP (auto) or FSDP2")
     eval_every: Int = Field(200, ge=1)
     eval_samples: Int = Field(64, ge=1, description="held-out sequences for the tau_sim evaluation")
+    eval_anchors_per_seq: Int = Field(512, ge=1, description="anchors per held-out sequence for tau_sim (default: "
+                                      "about every answer position), apart from training's: a few random anchors "
+                                      "make tau_sim too noisy to pick the best step by")
     save_every: Int = Field(500, ge=1)
     keep_last: Int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
     seed: Seed = 0

@@ -199,9 +199,10 @@ class Batcher:
         return ids, mask, feats
 
     @torch.no_grad()
-    def build(self, items: list[tuple[Any, int]], noise: bool = True) -> MicroBatch:
+    def build(self, items: list[tuple[Any, int]], held_out: bool = False) -> MicroBatch:
         """items: (key, sample index); `key` (the stream position, or ('eval', i)) seeds anchors and noise.
-        `noise=False` for held-out evaluation: τ_sim measures the drafter on clean features, as served."""
+        held_out: for the τ_sim evaluation: clean features (the drafter is served on them) and
+        `eval_anchors_per_seq` anchors per sequence."""
         seqs = [self.sample(i) for _, i in items]
         T = max(len(s[0]) for s in seqs)
         T = -(-T // SEQ_MULTIPLE) * SEQ_MULTIPLE
@@ -212,8 +213,9 @@ class Batcher:
         for j, (x, m, _) in enumerate(seqs):
             ids[j, : len(x)], loss_mask[j, : len(x)], valid[j, : len(x)] = x, m, True
         seed = self.tcfg.seed
+        n_anchors = self.tcfg.eval_anchors_per_seq if held_out else self.tcfg.anchors_per_seq
         anchors, anchor_valid = pad_anchors(
-            [sample_anchors(m, self.tcfg.anchors_per_seq, _generator(seed, "anchors", k)) for (k, _), (_, m, _) in zip(items, seqs)],
+            [sample_anchors(m, n_anchors, _generator(seed, "anchors", k)) for (k, _), (_, m, _) in zip(items, seqs)],
             multiple=ANCHOR_MULTIPLE)
         if self.online_layers is not None:
             from dflashkit.data.features import online_features
@@ -228,7 +230,7 @@ class Batcher:
         # The KL target is split off *before* any noise: noise reaches the fc input only.
         final = feats[..., self.final_cols.to(feats.device)] if self.need_final else None
         taps = feats[..., self.tap_cols.to(feats.device)]
-        if noise and self.tcfg.feature_noise > 0:
+        if not held_out and self.tcfg.feature_noise > 0:
             for j, ((k, _), (x, _, _)) in enumerate(zip(items, seqs)):
                 g = _generator(seed, "noise", k, device=taps.device)
                 taps[j, : len(x)] = add_feature_noise(taps[j, : len(x)], self.tcfg.feature_noise, g)
@@ -809,7 +811,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     def evaluate(done: int) -> None:
         """Held-out metrics at step `done`; `best/` follows the highest tau_sim."""
         nonlocal best
-        ev = trainer.evaluate((batcher.build(items, noise=False), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
+        ev = trainer.evaluate((batcher.build(items, held_out=True), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
         metrics.log(done, "eval", ev)
         check_finite(done, {"loss": ev["loss"]})
         if d.main:
@@ -819,7 +821,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
             best = {"tau_sim": ev["tau_sim"], "step": done}
             if eval_groups:  # per suite, for comparison with online τ suite by suite
                 best["tau_sim_by_suite"] = {g: trainer.evaluate(
-                    (batcher.build(items, noise=False), counted) for items, counted in eval_items(idx, tc.micro_batch_size, d))["tau_sim"]
+                    (batcher.build(items, held_out=True), counted) for items, counted in eval_items(idx, tc.micro_batch_size, d))["tau_sim"]
                     for g, idx in eval_groups.items()}
             params = trainer.full_params()
             check_finite(done, {}, params)
