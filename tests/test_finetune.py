@@ -30,6 +30,19 @@ def test_finetune_preset_starts_from_the_bundled_drafter_with_a_lower_lr():
     assert cfg.train.lr < Config().train.lr and cfg.train.max_steps <= 500
 
 
+def finetune(target, samples: list[TokenizedSample], tmp_path: Path, *overrides: str):
+    """Save a tiny starting drafter, cache the samples' features, fine-tune from it with the
+    preset plus `overrides` -> (start drafter, config, feature cache, output directory)."""
+    start = make_tiny_drafter(target)
+    save_drafter(start, tmp_path / "start")
+    extract_features(target, samples, list(start.config.target_layer_ids), tmp_path / "feats", dtype="float32")
+    cfg = load_config(REPO / "configs" / "finetune.yaml", [
+        f"drafter.init_from={tmp_path / 'start'}", f"data.features={tmp_path / 'feats'}",
+        f"train.output_dir={tmp_path / 'ft'}", "train.tensorboard=false", "target.device=cpu", *overrides])
+    cache = FeatureCache(tmp_path / "feats")
+    return start, cfg, cache, train(cfg, target=target, samples=cache)
+
+
 def test_finetune_workflow_tiny(tmp_path, one_thread):
     """Two suites of the target's own greedy answers; training starts from a saved drafter; the
     held-out split holds both suites, best.json has τ_sim per suite, and the adapted drafter beats
@@ -45,16 +58,9 @@ def test_finetune_workflow_tiny(tmp_path, one_thread):
         for i in range(10):
             samples.append(TokenizedSample(f"{suite}-{i}", prompts[i % 3][0].tolist() + answers[i % 3],
                                            [0] * 8 + [1] * len(answers[i % 3])))
-    start = make_tiny_drafter(target)
-    save_drafter(start, tmp_path / "start")
-    extract_features(target, samples, list(start.config.target_layer_ids), tmp_path / "feats", dtype="float32")
-    cfg = load_config(REPO / "configs" / "finetune.yaml", [
-        f"drafter.init_from={tmp_path / 'start'}", f"data.features={tmp_path / 'feats'}",
-        f"train.output_dir={tmp_path / 'ft'}", "train.max_steps=40", "train.batch_size=4", "train.micro_batch_size=4",
-        "train.anchors_per_seq=16", "train.eval_every=10", "train.eval_samples=4", "train.lr=3e-3",
-        "train.tensorboard=false", "target.device=cpu"])
-    cache = FeatureCache(tmp_path / "feats")
-    out = train(cfg, target=target, samples=cache)
+    start, cfg, cache, out = finetune(target, samples, tmp_path, "train.max_steps=40", "train.batch_size=4",
+                                      "train.micro_batch_size=4", "train.anchors_per_seq=16", "train.eval_every=10",
+                                      "train.eval_samples=4", "train.lr=3e-3")
     best = json.loads((out / "best.json").read_text())
     assert set(best["tau_sim_by_suite"]) == {"alpha", "beta"}
     held = heldout_items(cache, cfg.train.eval_samples, cfg.train.seed)
@@ -72,15 +78,9 @@ def test_the_starting_drafter_is_a_candidate_for_best(tmp_path, one_thread):
     g = torch.Generator().manual_seed(1)
     samples = [TokenizedSample(f"s-{i}", torch.randint(3, 120, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
                for i in range(8)]
-    start = make_tiny_drafter(target)
-    save_drafter(start, tmp_path / "start")
-    extract_features(target, samples, list(start.config.target_layer_ids), tmp_path / "feats", dtype="float32")
-    cfg = load_config(REPO / "configs" / "finetune.yaml", [
-        f"drafter.init_from={tmp_path / 'start'}", f"data.features={tmp_path / 'feats'}",
-        f"train.output_dir={tmp_path / 'ft'}", "train.max_steps=2", "train.batch_size=2", "train.micro_batch_size=2",
-        "train.anchors_per_seq=8", "train.eval_every=1", "train.eval_samples=2", "train.lr=1e-12",
-        "train.tensorboard=false", "target.device=cpu"])
-    out = train(cfg, target=target, samples=FeatureCache(tmp_path / "feats"))
+    start, _, _, out = finetune(target, samples, tmp_path, "train.max_steps=2", "train.batch_size=2",
+                                "train.micro_batch_size=2", "train.anchors_per_seq=8", "train.eval_every=1",
+                                "train.eval_samples=2", "train.lr=1e-12")
     assert json.loads((out / "best.json").read_text())["step"] == 0
     best = load_drafter(out / "best", target)
     for name, p in start.state_dict().items():

@@ -68,8 +68,7 @@ def test_extraction_equals_plain_forward(hybrid):
     hidden states."""
     taps = [0, 1, 3, 5]
     prompts = [torch.randint(3, 120, (n,)) for n in (150, 37, 70)]
-    batch = static_engine(hybrid, None)
-    batch.layer_ids = batch.run.layer_ids = taps
+    batch = static_engine(hybrid, None, layer_ids=taps)
     batch.prefill(prompts, capacity=8)
     for i, p in enumerate(prompts):
         hs = hybrid.model(p[None], output_hidden_states=True).hidden_states

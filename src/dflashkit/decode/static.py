@@ -413,15 +413,18 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
 
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
-                  compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False) -> Engine:
+                  compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
+                  layer_ids: list[int] | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
     target's step and the drafter's step. compile_drafter: torch.compile the drafter's whole step
-    (its layers, masks and cache writes) before capture."""
+    (its layers, masks and cache writes) before capture. layer_ids: the taps whose features the
+    engine keeps (default: the drafter's)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
-    layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
-    runner = StaticRunner(target, layer_ids, cuda_graphs=graphs, compile=compile, fuse=fuse)
+    if layer_ids is None:
+        layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
+    runner = StaticRunner(target, list(layer_ids), cuda_graphs=graphs, compile=compile, fuse=fuse)
     engine = Engine(target, drafter, runner)
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
@@ -434,7 +437,6 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
 def runner_features(target: Target, ids: Tensor, layer_ids: list[int]) -> Tensor:
     """ids [T] -> the tapped features [T, n_taps * H] as the static runner computes them (what
     serving's drafter sees), to compare with Transformers' forward (what extraction saw)."""
-    engine = static_engine(target, None, cuda_graphs=False)
-    engine.layer_ids = engine.run.layer_ids = list(layer_ids)
+    engine = static_engine(target, None, cuda_graphs=False, layer_ids=layer_ids)
     engine.prefill([ids], capacity=len(ids) + 1)
     return engine.pending[0]
