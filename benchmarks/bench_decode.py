@@ -93,10 +93,6 @@ def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> l
     cmp = Comparison(layer_ids)
     cmp.add(online_features(target, ids, layer_ids)[0].float().cpu(), runner_features(target, ids[0], layer_ids).float().cpu())
     rows = cmp.report()
-    la = next((layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")), None)
-    kernels = {k: f"{getattr(v, '__module__', '?')}.{getattr(v, '__name__', type(v).__name__)}"
-               for k, v in vars(la).items() if callable(v) and not isinstance(v, torch.nn.Module)} if la else {}
-    print(f"Transformers' linear-attention functions: {kernels}", flush=True)
     print(f"features {target.dtype}: runner (PyTorch) vs Transformers' forward, per tapped layer: "
           + ", ".join(f"L{r.layer} cos {r.cosine_mean:.6f} (min {r.cosine_min:.6f}) err {r.max_abs_err:.3g}"
                       for r in rows), flush=True)
@@ -159,12 +155,10 @@ def rollback_designs(shape: dict, device: torch.device, reps: int = 10) -> dict:
 
 
 def state_memory(engine: Engine) -> dict:
-    """Bytes per sequence of a hybrid's linear-layer state, and of what a verification leaves for
-    its rollback (the last pass's block)."""
+    """MiB per sequence of a hybrid's linear-layer state (conv windows + recurrent state)."""
     lin = engine.cache.linear
     per_row = (lin.conv[:, :1].nbytes + lin.rec[:, :1].nbytes) if lin is not None and lin.conv is not None else 0
-    block = sum(t.nbytes for t in lin.pending) if lin is not None and lin.pending is not None else 0
-    return {"state_mib_per_seq": per_row / 2**20, "block_mib": block / 2**20}
+    return {"state_mib_per_seq": per_row / 2**20}
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 10) -> float:
