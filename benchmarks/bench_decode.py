@@ -137,20 +137,21 @@ def rollback_designs(shape: dict, device: torch.device, reps: int = 10) -> dict:
                 S = S + k[..., t, :, None] * delta_t[..., None, :]
             state.copy_(S)
 
-        snaps = None
-        try:
-            snaps = torch.empty(L, q, h, dk, dv, device=device)
-        except torch.OutOfMemoryError:
-            pass
+        def snapshot_copy() -> float | None:
+            """The accepted token's state copied back from q kept ones (None: they do not fit)."""
+            try:
+                snaps = torch.empty(L, q, h, dk, dv, device=device)
+            except torch.OutOfMemoryError:
+                return None
+            return timed(lambda: state[:, 0].copy_(snaps[:, a - 1]))
+
         r = {"fold_ms": timed(lambda: state.copy_(delta.fold(state, k, d, G, incl, leaf))),
-             "replay_ms": timed(replay), "accepted": a,
-             "snapshot_mib": q * state.nbytes / 2**20,
-             "snapshot_copy_ms": timed(lambda: state[:, 0].copy_(snaps[:, a - 1])) if snaps is not None else None}
+             "replay_ms": timed(replay), "accepted": a, "snapshot_mib": q * state.nbytes / 2**20,
+             "snapshot_copy_ms": snapshot_copy()}
         out[f"q{q}"] = r
         print(f"rollback, {L} layers, block of {q}, {a} accepted: fold {r['fold_ms']:.3f} ms | replay "
               f"{r['replay_ms']:.3f} ms | snapshots {r['snapshot_mib']:.0f} MiB per sequence, copy back "
               + (f"{r['snapshot_copy_ms']:.3f} ms" if r["snapshot_copy_ms"] is not None else "n/a"), flush=True)
-        del snaps
     return out
 
 
