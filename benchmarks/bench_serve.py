@@ -134,7 +134,9 @@ def main() -> None:
     prompts = [c.messages for c in load_suite(args.suite)]
     serve = [sys.executable, "-m", "dflashkit.cli", "serve"]
     servers: list[tuple[str, list[str] | None, dict[str, str]]] = [(u, None, {}) for u in args.url]
-    servers += [(f"PYTHONPATH={d}", serve, {"PYTHONPATH": os.path.abspath(d)}) for d in args.pythonpath]
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []  # e.g. wheels installed aside
+    servers += [(f"PYTHONPATH={d}", serve, {"PYTHONPATH": os.pathsep.join([os.path.abspath(d), *inherited])})
+                for d in args.pythonpath]
     servers += [(c, shlex.split(c), {}) for c in args.server_cmd]
     if not servers:
         servers = [("this checkout", serve, {})]
