@@ -32,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -697,7 +698,7 @@ def resolve_precision(tcfg, device: torch.device) -> tuple[torch.dtype, str, boo
     return dtype, backend, tcfg.compile if tcfg.compile is not None else cuda
 
 
-BUDGET_PROVISIONAL_STEPS, BUDGET_REFIT_EVERY = 1000, 10
+BUDGET_PROVISIONAL_STEPS, BUDGET_REFIT_EVERY, BUDGET_WINDOW = 1000, 10, 50
 
 
 def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int:
@@ -834,22 +835,28 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         # the held-out split than what training started from (best.json says step 0 then).
         evaluate(0)
     fit_from = start + 2 if tc.time_budget_s and start == 0 else None
+    step_s: list[float] = []  # seconds per training step, evaluations and saves apart
+    eval_s: list[float] = []
     step = start
     while step < total:
+        t_step = time.perf_counter()
         groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, train_idx, tc.seed)
         stats = trainer.step((batcher.build(g) for g in groups), len(groups))
         step = done = step + 1
-        if done == start + 1:
-            t_first = time.perf_counter()  # after the first step, which pays for compilation
-        if fit_from is not None and done >= fit_from and (done == fit_from or done % BUDGET_REFIT_EVERY == 0):
-            # Re-fitted as the mean step time settles (early steps compile for new shapes).
-            now = time.perf_counter()
-            total = fit_total_steps(done, (now - t_first) / (done - start - 1), tc.time_budget_s - (now - t_begin), tc, d)
+        step_s.append(time.perf_counter() - t_step)
+        if fit_from is not None and done >= fit_from and (done < start + BUDGET_REFIT_EVERY or done % BUDGET_REFIT_EVERY == 0):
+            # Re-fitted every step at first, then every few: the median step time ignores the
+            # steps that compile for new shapes (one such step once ended a run after 8 steps),
+            # and the evaluations measured so far are spread over the steps between them.
+            per_step = statistics.median(step_s[-BUDGET_WINDOW:])
+            if eval_s and eval_idx:
+                per_step += statistics.fmean(eval_s) / tc.eval_every
+            total = fit_total_steps(done, per_step, tc.time_budget_s - (time.perf_counter() - t_begin), tc, d)
             trainer.set_total_steps(total)
             bar.total = total
             bar.refresh()
-            if d.main and done == fit_from:
-                log.info("time budget %.0fs: about %d steps fit", tc.time_budget_s, total)
+            if d.main and done in (fit_from, start + BUDGET_REFIT_EVERY):
+                log.info("time budget %.0fs: about %d steps fit (%.3f s per step)", tc.time_budget_s, total, per_step)
         check_finite(done, stats)
         tokens += stats.pop("block_tokens")
         bar.update(1)
@@ -863,7 +870,9 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
                 log.info("step %d/%d loss %.4f acc %.3f lr %.2e grad-norm %.3f %.0f block-tokens/s", done, total,
                          stats["loss"], stats["acc"], stats["lr"], stats["grad_norm"], stats["block_tokens_per_s"])
         if eval_idx and (done % tc.eval_every == 0 or done == total):
+            t_eval = time.perf_counter()
             evaluate(done)
+            eval_s.append(time.perf_counter() - t_eval)
         if done % tc.save_every == 0 or done == total:
             checkpoint(done)
     bar.close()
