@@ -236,10 +236,13 @@ class Graphs:
     """Replays `fn` from CUDA graphs captured once per call signature (input shapes and plain
     arguments); eager off CUDA. Outputs live in the graph's memory and are valid until the next
     call of the same signature. `buffers()` names the tensors a graph writes in place: when they
-    move (a cache grew), every graph is captured again."""
+    move (a cache grew), every graph is captured again. `preserve()` lists the tensors `fn`
+    updates in place from their own values (a hybrid's recurrent state): the warm-up runs before
+    a capture must not advance them, so they are restored before the first replay."""
 
-    def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None) -> None:
-        self.fn, self.buffers = fn, buffers
+    def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None,
+                 preserve: Callable[[], list[Tensor]] = list) -> None:
+        self.fn, self.buffers, self.preserve = fn, buffers, preserve
         self.graphs: dict[tuple, tuple[Any, list[Tensor], Any]] = {}
         self.where: Any = None
 
@@ -252,6 +255,7 @@ class Graphs:
         key = tuple(tuple(a.shape) if isinstance(a, Tensor) else a for a in args)
         if key not in self.graphs:
             static = [t.clone() for t in tensors]
+            kept = [t.clone() for t in self.preserve()]
 
             def call() -> Any:
                 it = iter(static)
@@ -266,6 +270,8 @@ class Graphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = call()
+            for t, v in zip(self.preserve(), kept):
+                t.copy_(v)
             self.graphs[key] = (graph, static, out)
         graph, static, out = self.graphs[key]
         for s, t in zip(static, tensors):
@@ -304,7 +310,13 @@ class StaticRunner:
             self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
-                                                   self.cache.linear.rec.data_ptr())) if cuda_graphs else None
+                                                   self.cache.linear.rec.data_ptr()),
+                              self._folded_state) if cuda_graphs else None
+
+    def _folded_state(self) -> list[Tensor]:
+        """What a pass given `commit` updates in place (see `Graphs`)."""
+        lin = self.cache.linear
+        return [] if lin is None else [lin.conv, lin.rec]
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
