@@ -307,7 +307,7 @@ class StaticRunner:
         self._qkv, self._out_mlp, self._linear_mix = qkv, out_mlp, linear_mix
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
-            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
+            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks, AR steps
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
                                                    self.cache.linear.rec.data_ptr()),
@@ -335,7 +335,7 @@ class StaticRunner:
         self.cache = cache
         h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit)
         if cache.linear is not None:
-            cache.linear.pending = block
+            cache.linear.pending, cache.linear.folded = block, commit is not None
         return h, feats
 
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
@@ -359,7 +359,7 @@ class StaticRunner:
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
                 li = len(parts)
-                mix = linear_mix if commit is not None else self._linear_mix
+                mix = self._linear_mix if commit is None or q == 1 else linear_mix  # prompts (any length) run eagerly
                 o, part = mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
                 parts.append(part)
             else:
@@ -386,9 +386,9 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
     """A Gated DeltaNet token mixer over a verification block (see `decode/delta.py`), before its
     output projection: x [b, t, H], the layer's conv window [b, K-1, C] and state [b, h, dk, dv]
     -> ([b, t, h * dv], (conv inputs, k, d, G) for `LinearState.commit`).
-    commit [b] (prefill): the block is a chain whose first commit[i] tokens of row i are committed
-    now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest of each row made inert
-    (no decay, no update)."""
+    commit [b] (a prefill, or an AR step's ones): the block is a chain whose first commit[i] tokens
+    of row i are committed now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest
+    of each row made inert (no decay, no update)."""
     m = w.mix
     b, t, _ = x.shape
     key_heads, value_heads, dk = dims
