@@ -126,9 +126,13 @@ def test_cache_after_ar_steps_among_commits_equals_fresh_prefill(hybrid):
     eng = static_engine(hybrid, drafter)
     eng.prefill(prompts, capacity=16)
     committed = [p.tolist() for p in prompts]
+    lin = eng.cache.linear
     for r, ar in enumerate([True, False, True, True, False, True, False, True]):
         idle = {1} if r >= 3 else set()
+        before = [lin.conv[:, 1].clone(), lin.rec[:, 1].clone()]
         new = (_ar_round if ar else _random_round)(eng, gen, hybrid.vocab_size, idle)
+        if idle and not ar:  # a verification block's commit leaves a row keeping nothing as it was
+            assert torch.equal(lin.conv[:, 1], before[0]) and torch.equal(lin.rec[:, 1], before[1])
         for row, n in zip(committed, new):
             row += n
     fresh = static_engine(hybrid, drafter)
@@ -137,8 +141,7 @@ def test_cache_after_ar_steps_among_commits_equals_fresh_prefill(hybrid):
     for i, n in enumerate(eng.lengths):
         torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
-    running = [0, 2]
-    lin, want = eng.cache.linear, fresh.cache.linear
+    running, want = [0, 2], fresh.cache.linear
     torch.testing.assert_close(lin.conv[:, running], want.conv[:, running], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lin.rec[:, running], want.rec[:, running], atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match="no verification pass"):  # the AR step was committed once

@@ -209,21 +209,21 @@ class LinearState:
                 raise ValueError(f"LinearState.commit: the pass folded its one token per row, cannot keep {keep}")
             self.folded = False
             return
-        rows = [i for i, p in enumerate(keep) if p]
-        if not rows:
+        if not any(keep):
             return
         p, dev = self.pending, self.rec.device
         if p is None:
             raise RuntimeError("LinearState.commit: no verification pass to commit (verify, then commit once)")
-        r = torch.tensor(rows, device=dev)
-        leaf = torch.tensor([keep[i][-1] for i in rows], device=dev)
-        L, m = self.rec.shape[0], len(rows)
-        window = p.src[r, leaf, 1:]  # [m, K-1]: the leaf's window, shifted by one
-        seq = p.seq[:, r]
-        self.conv[:, r] = seq.gather(2, window[None, :, :, None].expand(L, m, -1, seq.shape[3]))
-        incl = p.incl[r, leaf][None, :, None, :]  # [1, m, 1, q]
-        self.rec[:, r] = delta.fold(self.rec[:, r], p.k[:, r], p.d[:, r], p.G[:, r], incl,
-                                    leaf[None, :, None, None].expand(L, m, 1, 1))
+        # Every row at once (no row gathers or scatters of the state); a row keeping nothing is
+        # inert: its window stays the committed one (seq's first K-1 inputs), no decay, no update.
+        L, b, K1, C = self.conv.shape
+        leaf, live = torch.tensor([[path[-1] if path else 0, bool(path)] for path in keep], device=dev).unbind(1)
+        live, rows = live.bool(), torch.arange(b, device=dev)
+        window = torch.where(live[:, None], p.src[rows, leaf, 1:], torch.arange(K1, device=dev))  # [b, K-1]
+        self.conv.copy_(p.seq.gather(2, window[None, :, :, None].expand(L, b, K1, C)))
+        incl = (p.incl[rows, leaf] & live[:, None])[None, :, None, :]  # [1, b, 1, q]
+        delta.fold(self.rec, p.k, p.d, p.G * live[:, None, None], incl, leaf[None, :, None, None].expand(L, b, 1, 1),
+                   inplace=True)
         self.pending = None
 
     def put_rows(self, src: LinearState, rows: Sequence[int], batch: int) -> None:
