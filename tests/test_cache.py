@@ -4,6 +4,8 @@ sliding without layer types), on both runners."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pytest
 import torch
 
@@ -50,8 +52,9 @@ def test_put_rows_fills_idle_rows_and_appends():
     assert kv.k[0, :, 0, :3, 0].tolist() == [[1, 1, 0], [7, 8, 9], [5, 6, 0]] and torch.equal(kv.k, kv.v)
 
 
-def _random_round(engine, gen: torch.Generator, V: int):
-    """A random tree per row (a chain for some), verified and committed along a random path."""
+def _random_round(engine, gen: torch.Generator, V: int, idle: Collection[int] = ()):
+    """A random tree per row (a chain for some), verified and committed along a random path (idle
+    rows commit nothing)."""
     b = engine.batch
     trees = []
     for _ in range(b):
@@ -71,6 +74,7 @@ def _random_round(engine, gen: torch.Generator, V: int):
             options = list(kids[path[-1]].values())
             path.append(options[int(torch.randint(len(options), (1,), generator=gen))])
         paths.append(path)
+    paths = [[] if i in idle else p for i, p in enumerate(paths)]
     engine.commit(paths)
     return [[int(tokens[i, j]) for j in p] for i, p in enumerate(paths)]
 

@@ -6,6 +6,7 @@ hybrid in fp32."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 
 import pytest
 import torch
@@ -103,6 +104,82 @@ def test_cache_after_commits_equals_fresh_prefill(hybrid):
     for i, c in enumerate(committed):
         want = hybrid.model(torch.tensor([c + [int(bonus[i])]])).logits[0, -1]
         torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
+
+
+def _ar_round(engine, gen: torch.Generator, V: int, idle: Collection[int]) -> list[list[int]]:
+    """One autoregressive step: every running row keeps its token, idle rows nothing."""
+    bonus = torch.randint(3, V, (engine.batch,), generator=gen)
+    engine.draft(bonus)
+    engine.verify(bonus[:, None], torch.zeros(engine.batch, 1, dtype=torch.long))
+    engine.commit([[] if i in idle else [0] for i in range(engine.batch)])
+    return [[] if i in idle else [int(bonus[i])] for i in range(engine.batch)]
+
+
+def test_cache_after_ar_steps_among_commits_equals_fresh_prefill(hybrid):
+    """AR steps (their state folded in the pass) mixed with chain and tree commits, with a row
+    idle from the fourth round on: every row's keys/values equal a fresh prefill of what it
+    committed, and so do the running rows' conv windows and recurrent states (an idle row's
+    linear state is advanced by AR steps, and overwritten when a request takes the row)."""
+    drafter = make_tiny_drafter(hybrid)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 120, (n,), generator=gen) for n in (9, 4, 13)]
+    eng = static_engine(hybrid, drafter)
+    eng.prefill(prompts, capacity=16)
+    committed = [p.tolist() for p in prompts]
+    lin = eng.cache.linear
+    for r, ar in enumerate([True, False, True, True, False, True, False, True]):
+        idle = {1} if r >= 3 else set()
+        before = [lin.conv[:, 1].clone(), lin.rec[:, 1].clone()]
+        new = (_ar_round if ar else _random_round)(eng, gen, hybrid.vocab_size, idle)
+        if idle and not ar:  # a verification block's commit leaves a row keeping nothing as it was
+            assert torch.equal(lin.conv[:, 1], before[0]) and torch.equal(lin.rec[:, 1], before[1])
+        for row, n in zip(committed, new):
+            row += n
+    fresh = static_engine(hybrid, drafter)
+    fresh.prefill([torch.tensor(c) for c in committed], capacity=64)
+    assert eng.lengths == [len(c) for c in committed]
+    for i, n in enumerate(eng.lengths):
+        torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
+    running, want = [0, 2], fresh.cache.linear
+    torch.testing.assert_close(lin.conv[:, running], want.conv[:, running], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lin.rec[:, running], want.rec[:, running], atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="no verification pass"):  # the AR step was committed once
+        eng.commit([[0], [], [0]])
+
+
+def test_cost_aware_drafting_restores_the_state(hybrid):
+    """The cost model's timing passes (single-token ones fold in the pass) leave the state as it
+    was: greedy outputs equal the target's own."""
+    drafter = make_tiny_drafter(hybrid)
+    prompts = ragged_prompts(2, (15, 9))
+    refs = [greedy_reference(hybrid, p, 12) for p in prompts]
+    gens = generate_batch(static_engine(hybrid, drafter), prompts, max_new_tokens=12, method="dflash",
+                          cost_aware=True)
+    assert [g.tokens for g in gens] == refs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_advance_the_state_once(monkeypatch):
+    """Graph capture (its warm-up runs the step twice) must not advance the recurrent state: AR and
+    DFlash equal the target's greedy generation, and a prefill whose last chunk runs in a graph
+    equals an eager one."""
+    from dflashkit.decode import engine as engine_module
+
+    target = make_tiny_hybrid()
+    target.model.cuda()
+    drafter = make_tiny_drafter(target).cuda()
+    prompt = ragged_prompts(4, (20,))[0].cuda()
+    ref = greedy_reference(target, prompt, 16)
+    for method in ("ar", "dflash"):
+        eng = static_engine(target, drafter if method != "ar" else None, cuda_graphs=True)
+        assert generate(eng, prompt, max_new_tokens=16, method=method).tokens == ref, method
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)  # 20 tokens: the second chunk runs in a graph
+    graphed, eager = static_engine(target, None, cuda_graphs=True), static_engine(target, None, cuda_graphs=False)
+    for eng in (graphed, eager):
+        eng.prefill([prompt[0]], capacity=32)
+    torch.testing.assert_close(graphed.cache.linear.rec, eager.cache.linear.rec, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graphed.cache.linear.conv, eager.cache.linear.conv, atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_identical(hybrid):

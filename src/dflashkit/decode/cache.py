@@ -119,6 +119,8 @@ class KVCache:
     def advance(self, counts: Sequence[int]) -> None:
         """Commit the first counts[i] slots written past each row's length (no move needed; linear
         layers are advanced by the pass itself or by `commit`)."""
+        if self.linear is not None:  # a folded pass is committed now: committing it again is an error
+            self.linear.folded = False
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
         self.lengths_t = self.lengths_t + torch.tensor(counts, device=self.lengths_t.device)
 
@@ -172,7 +174,9 @@ class LinearState:
     """Each linear-attention layer's state per row: the conv window [K-1, C] (the last K-1 inputs,
     in the model's dtype) and the recurrent state [heads, dk, dv] (fp32). Views of the first b rows
     of storages allocated for the most rows seen, like `KVCache`. A verification pass leaves a
-    `delta.Block` in `pending`; `commit` turns it into each row's state after its last kept node."""
+    `delta.Block` in `pending`; `commit` turns it into each row's state after its last kept node.
+    A pass given `commit` (a prefill's chain, an autoregressive step) folds its tokens into the
+    state itself and sets `folded`: its commit has nothing left to compute."""
 
     def __init__(self, layers: int, kernel: int, channels: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> None:
         self.shape = (layers, kernel, channels, heads, dk, dv)
@@ -182,6 +186,7 @@ class LinearState:
         self.conv: Tensor | None = None
         self.rec: Tensor | None = None
         self.pending: delta.Block | None = None
+        self.folded = False
 
     def start(self, batch: int, device: torch.device) -> None:
         L, K, C, h, dk, dv = self.shape
@@ -191,26 +196,34 @@ class LinearState:
         self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
         self.conv.zero_()
         self.rec.zero_()
-        self.pending = None
+        self.pending, self.folded = None, False
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
         """Row i's state becomes its state after node keep[i][-1] of the pending block (a path's
-        last node; rows keeping nothing are unchanged)."""
-        rows = [i for i, p in enumerate(keep) if p]
-        if not rows:
+        last node; rows keeping nothing are unchanged). After a `folded` pass (one token per row)
+        every row keeps that token: rows keeping nothing (idle rows, finished but kept in the
+        batch) have taken it too, which is harmless, as an idle row never runs again until a
+        joining request overwrites it (`put_rows`)."""
+        if self.folded:
+            if any(list(p) not in ([], [0]) for p in keep):
+                raise ValueError(f"LinearState.commit: the pass folded its one token per row, cannot keep {keep}")
+            self.folded = False
+            return
+        if not any(keep):
             return
         p, dev = self.pending, self.rec.device
         if p is None:
             raise RuntimeError("LinearState.commit: no verification pass to commit (verify, then commit once)")
-        r = torch.tensor(rows, device=dev)
-        leaf = torch.tensor([keep[i][-1] for i in rows], device=dev)
-        L, m = self.rec.shape[0], len(rows)
-        window = p.src[r, leaf, 1:]  # [m, K-1]: the leaf's window, shifted by one
-        seq = p.seq[:, r]
-        self.conv[:, r] = seq.gather(2, window[None, :, :, None].expand(L, m, -1, seq.shape[3]))
-        incl = p.incl[r, leaf][None, :, None, :]  # [1, m, 1, q]
-        self.rec[:, r] = delta.fold(self.rec[:, r], p.k[:, r], p.d[:, r], p.G[:, r], incl,
-                                    leaf[None, :, None, None].expand(L, m, 1, 1))
+        # Every row at once (no row gathers or scatters of the state); a row keeping nothing is
+        # inert: its window stays the committed one (seq's first K-1 inputs), no decay, no update.
+        L, b, K1, C = self.conv.shape
+        leaf, live = torch.tensor([[path[-1] if path else 0, bool(path)] for path in keep], device=dev).unbind(1)
+        live, rows = live.bool(), torch.arange(b, device=dev)
+        window = torch.where(live[:, None], p.src[rows, leaf, 1:], torch.arange(K1, device=dev))  # [b, K-1]
+        self.conv.copy_(p.seq.gather(2, window[None, :, :, None].expand(L, b, K1, C)))
+        incl = (p.incl[rows, leaf] & live[:, None])[None, :, None, :]  # [1, b, 1, q]
+        delta.fold(self.rec, p.k, p.d, p.G * live[:, None, None], incl, leaf[None, :, None, None].expand(L, b, 1, 1),
+                   inplace=True)
         self.pending = None
 
     def put_rows(self, src: LinearState, rows: Sequence[int], batch: int) -> None:
@@ -224,14 +237,14 @@ class LinearState:
         self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
         idx = torch.tensor(list(rows), device=self.rec.device)
         self.conv[:, idx], self.rec[:, idx] = src.conv, src.rec
-        self.pending = None
+        self.pending, self.folded = None, False
 
     def keep_rows(self, idx: Tensor) -> None:
         conv, rec = self.conv[:, idx], self.rec[:, idx]  # gathered copies: sources and destinations overlap
         self.conv, self.rec = self._conv[:, :len(idx)], self._rec[:, :len(idx)]
         self.conv.copy_(conv)
         self.rec.copy_(rec)
-        self.pending = None
+        self.pending, self.folded = None, False
 
 def is_chain(path: Sequence[int]) -> bool:
     """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""

@@ -81,13 +81,21 @@ def block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, 
     return O, D, G
 
 
-def fold(S0: Tensor, k: Tensor, d: Tensor, G: Tensor, incl_leaf: Tensor, leaf: Tensor) -> Tensor:
+def fold(S0: Tensor, k: Tensor, d: Tensor, G: Tensor, incl_leaf: Tensor, leaf: Tensor,
+         inplace: bool = False) -> Tensor:
     """The state after node `leaf` of a block: S0 [..., h, dk, dv], k [..., h, q, dk], d
     [..., h, q, dv], G [..., h, q], incl_leaf bool [..., 1, q] (the leaf's path), leaf long
-    [..., 1, 1] -> [..., h, dk, dv]."""
+    [..., 1, 1] -> [..., h, dk, dv]. inplace: written into S0 (contiguous: decayed in place, the
+    update added by one batched matmul, no temporary of the state's size)."""
     Gl = G.gather(-1, leaf.expand(*G.shape[:-1], 1))  # [..., h, 1]
     w = torch.exp((Gl - G).masked_fill(~incl_leaf, float("-inf")))  # [..., h, q]
-    return Gl.exp()[..., None] * S0 + k.transpose(-1, -2) @ (w[..., None] * d)
+    decay, kT, wd = Gl.exp()[..., None], k.transpose(-1, -2), w[..., None] * d
+    if inplace and S0.is_contiguous():
+        dk, dv = S0.shape[-2:]
+        S0.mul_(decay).view(-1, dk, dv).baddbmm_(kT.reshape(-1, dk, kT.shape[-1]), wd.reshape(-1, wd.shape[-2], dv))
+        return S0
+    out = decay * S0 + kT @ wd
+    return S0.copy_(out) if inplace else out
 
 
 def prepare(mixed: Tensor, a: Tensor, b_: Tensor, A_log: Tensor, dt_bias: Tensor, key_heads: int,

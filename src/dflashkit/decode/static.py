@@ -236,10 +236,13 @@ class Graphs:
     """Replays `fn` from CUDA graphs captured once per call signature (input shapes and plain
     arguments); eager off CUDA. Outputs live in the graph's memory and are valid until the next
     call of the same signature. `buffers()` names the tensors a graph writes in place: when they
-    move (a cache grew), every graph is captured again."""
+    move (a cache grew), every graph is captured again. `preserve()` lists the tensors `fn`
+    updates in place from their own values (a hybrid's recurrent state): the warm-up runs before
+    a capture must not advance them, so they are restored before the first replay."""
 
-    def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None) -> None:
-        self.fn, self.buffers = fn, buffers
+    def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None,
+                 preserve: Callable[[], list[Tensor]] = list) -> None:
+        self.fn, self.buffers, self.preserve = fn, buffers, preserve
         self.graphs: dict[tuple, tuple[Any, list[Tensor], Any]] = {}
         self.where: Any = None
 
@@ -252,6 +255,7 @@ class Graphs:
         key = tuple(tuple(a.shape) if isinstance(a, Tensor) else a for a in args)
         if key not in self.graphs:
             static = [t.clone() for t in tensors]
+            kept = [t.clone() for t in self.preserve()]
 
             def call() -> Any:
                 it = iter(static)
@@ -266,6 +270,8 @@ class Graphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = call()
+            for t, v in zip(self.preserve(), kept):
+                t.copy_(v)
             self.graphs[key] = (graph, static, out)
         graph, static, out = self.graphs[key]
         for s, t in zip(static, tensors):
@@ -301,10 +307,16 @@ class StaticRunner:
         self._qkv, self._out_mlp, self._linear_mix = qkv, out_mlp, linear_mix
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
-            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
+            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks, AR steps
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
-                                                   self.cache.linear.rec.data_ptr())) if cuda_graphs else None
+                                                   self.cache.linear.rec.data_ptr()),
+                              self._folded_state) if cuda_graphs else None
+
+    def _folded_state(self) -> list[Tensor]:
+        """What a pass given `commit` updates in place (see `Graphs`)."""
+        lin = self.cache.linear
+        return [] if lin is None else [lin.conv, lin.rec]
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -323,7 +335,7 @@ class StaticRunner:
         self.cache = cache
         h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit)
         if cache.linear is not None:
-            cache.linear.pending = block
+            cache.linear.pending, cache.linear.folded = block, commit is not None
         return h, feats
 
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
@@ -347,7 +359,7 @@ class StaticRunner:
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
                 li = len(parts)
-                mix = linear_mix if commit is not None else self._linear_mix
+                mix = self._linear_mix if commit is None or q == 1 else linear_mix  # prompts (any length) run eagerly
                 o, part = mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
                 parts.append(part)
             else:
@@ -374,9 +386,9 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
     """A Gated DeltaNet token mixer over a verification block (see `decode/delta.py`), before its
     output projection: x [b, t, H], the layer's conv window [b, K-1, C] and state [b, h, dk, dv]
     -> ([b, t, h * dv], (conv inputs, k, d, G) for `LinearState.commit`).
-    commit [b] (prefill): the block is a chain whose first commit[i] tokens of row i are committed
-    now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest of each row made inert
-    (no decay, no update)."""
+    commit [b] (a prefill, or an AR step's ones): the block is a chain whose first commit[i] tokens
+    of row i are committed now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest
+    of each row made inert (no decay, no update)."""
     m = w.mix
     b, t, _ = x.shape
     key_heads, value_heads, dk = dims
