@@ -119,8 +119,6 @@ class KVCache:
     def advance(self, counts: Sequence[int]) -> None:
         """Commit the first counts[i] slots written past each row's length (no move needed; linear
         layers are advanced by the pass itself or by `commit`)."""
-        if self.linear is not None:  # a folded pass is committed now: committing it again is an error
-            self.linear.folded = False
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
         self.lengths_t = self.lengths_t + torch.tensor(counts, device=self.lengths_t.device)
 
@@ -175,8 +173,7 @@ class LinearState:
     in the model's dtype) and the recurrent state [heads, dk, dv] (fp32). Views of the first b rows
     of storages allocated for the most rows seen, like `KVCache`. A verification pass leaves a
     `delta.Block` in `pending`; `commit` turns it into each row's state after its last kept node.
-    A pass given `commit` (a prefill's chain, an autoregressive step) folds its tokens into the
-    state itself and sets `folded`: its commit has nothing left to compute."""
+    A prefill's chain, whose tokens are all kept, is folded by the pass itself."""
 
     def __init__(self, layers: int, kernel: int, channels: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> None:
         self.shape = (layers, kernel, channels, heads, dk, dv)
@@ -186,7 +183,6 @@ class LinearState:
         self.conv: Tensor | None = None
         self.rec: Tensor | None = None
         self.pending: delta.Block | None = None
-        self.folded = False
 
     def start(self, batch: int, device: torch.device) -> None:
         L, K, C, h, dk, dv = self.shape
@@ -196,19 +192,11 @@ class LinearState:
         self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
         self.conv.zero_()
         self.rec.zero_()
-        self.pending, self.folded = None, False
+        self.pending = None
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
         """Row i's state becomes its state after node keep[i][-1] of the pending block (a path's
-        last node; rows keeping nothing are unchanged). After a `folded` pass (one token per row)
-        every row keeps that token: rows keeping nothing (idle rows, finished but kept in the
-        batch) have taken it too, which is harmless, as an idle row never runs again until a
-        joining request overwrites it (`put_rows`)."""
-        if self.folded:
-            if any(list(p) not in ([], [0]) for p in keep):
-                raise ValueError(f"LinearState.commit: the pass folded its one token per row, cannot keep {keep}")
-            self.folded = False
-            return
+        last node; rows keeping nothing are unchanged)."""
         if not any(keep):
             return
         p, dev = self.pending, self.rec.device
@@ -237,14 +225,14 @@ class LinearState:
         self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
         idx = torch.tensor(list(rows), device=self.rec.device)
         self.conv[:, idx], self.rec[:, idx] = src.conv, src.rec
-        self.pending, self.folded = None, False
+        self.pending = None
 
     def keep_rows(self, idx: Tensor) -> None:
         conv, rec = self.conv[:, idx], self.rec[:, idx]  # gathered copies: sources and destinations overlap
         self.conv, self.rec = self._conv[:, :len(idx)], self._rec[:, :len(idx)]
         self.conv.copy_(conv)
         self.rec.copy_(rec)
-        self.pending, self.folded = None, False
+        self.pending = None
 
 def is_chain(path: Sequence[int]) -> bool:
     """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""

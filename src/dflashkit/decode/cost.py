@@ -43,12 +43,8 @@ class CostCurve:
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
     """Time verification passes of each width on the engine's current rows (after a prefill).
-    Nothing is committed: the passes write past every row's length, where the next round writes,
-    and a hybrid's linear state, which single-token passes advance at once, is restored."""
+    Nothing is committed: the passes write past every row's length, where the next round writes."""
     b, dev = engine.batch, engine.target.device
-    lin = engine.cache.linear
-    state = [] if lin is None else [lin.conv, lin.rec]
-    saved = [t.clone() for t in state]
     seconds = []
     for q in widths:
         tokens = torch.zeros(b, q, dtype=torch.long, device=dev)
@@ -62,8 +58,6 @@ def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         seconds.append((time.perf_counter() - t) / reps)
-    for t, v in zip(state, saved):
-        t.copy_(v)
     return CostCurve(list(widths), seconds)
 
 

@@ -201,19 +201,13 @@ class Engine:
     @torch.no_grad()
     def verify(self, tokens: Tensor, depths: Tensor, ancestors: Tensor | None = None) -> Tensor:
         """tokens [b, q] at positions lengths + depths [b, q]; ancestors bool [b, q, q] (None: a
-        chain) -> the target's logits [b, q, V]. A hybrid's single-token pass (q == 1) advances
-        its linear layers' state at once: commit it ([0] or [] per row) before the next pass."""
+        chain) -> the target's logits [b, q, V]."""
         b, q = tokens.shape
         if ancestors is None:
             ancestors = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril().expand(b, -1, -1)
         n = max(self.lengths) + q
         self.cache.reserve(n)
-        commit = None
-        if q == 1 and self.cache.linear is not None:
-            # One token per row (an AR step) is always kept: the linear layers fold it in the pass
-            # (in the CUDA graph), not in an eager commit (`LinearState.commit`).
-            commit = torch.ones(b, dtype=torch.long, device=tokens.device)
-        hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n, commit)
+        hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
         return self.target.lm_head(hidden)
 
     def commit(self, paths: Sequence[Sequence[int]]) -> None:

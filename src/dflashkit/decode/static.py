@@ -307,14 +307,14 @@ class StaticRunner:
         self._qkv, self._out_mlp, self._linear_mix = qkv, out_mlp, linear_mix
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
-            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks, AR steps
+            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
                                                    self.cache.linear.rec.data_ptr()),
                               self._folded_state) if cuda_graphs else None
 
     def _folded_state(self) -> list[Tensor]:
-        """What a pass given `commit` updates in place (see `Graphs`)."""
+        """What a pass given `commit` (a prefill's chain) updates in place (see `Graphs`)."""
         lin = self.cache.linear
         return [] if lin is None else [lin.conv, lin.rec]
 
@@ -335,7 +335,7 @@ class StaticRunner:
         self.cache = cache
         h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit)
         if cache.linear is not None:
-            cache.linear.pending, cache.linear.folded = block, commit is not None
+            cache.linear.pending = block
         return h, feats
 
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
@@ -359,7 +359,7 @@ class StaticRunner:
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
                 li = len(parts)
-                mix = self._linear_mix if commit is None or q == 1 else linear_mix  # prompts (any length) run eagerly
+                mix = linear_mix if commit is not None else self._linear_mix
                 o, part = mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
                 parts.append(part)
             else:
