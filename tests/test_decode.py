@@ -224,17 +224,19 @@ def test_static_and_hf_runners_agree_on_a_tree_round(tiny_target):
 def test_multi_token_acceptance_commits_correctly_tiny(tiny_target, engine, method):
     """Drafts that are right for the first j slots: τ must be exactly j+1 (DDTree: the right token
     is the runner-up, so the path runs through non-contiguous nodes) and the output unchanged,
-    for each row of a ragged batch."""
+    for each row of a ragged batch; the top logits recorded per output token are those of the
+    node that chose it (its top-1 id is the token)."""
     drafter = make_tiny_drafter(tiny_target)
     B, V, max_new = drafter.config.block_size, tiny_target.vocab_size, 40
     prompts = ragged_prompts(3, (17, 9, 22))
     seqs = [p[0].tolist() + greedy_reference(tiny_target, p, max_new + B) for p in prompts]
     ranks, budget, cap = (1, None, B - 1) if method == "dflash" else (2, 30, 4)  # 30 nodes = full binary tree to depth 4
     eng = Oracle(ENGINES[engine](tiny_target, drafter), *[oracle_proposals(s, V, B, ranks) for s in seqs])
-    gens = generate_batch(eng, prompts, max_new_tokens=max_new, method=method, budget=budget, top_k=2)
+    gens = generate_batch(eng, prompts, max_new_tokens=max_new, method=method, budget=budget, top_k=2, record_top=3)
     for p, s, g in zip(prompts, seqs, gens):
         T = p.shape[1]
         assert g.tokens == s[T:T + max_new]
+        assert [ids[0] for ids, _ in g.top] == g.tokens and all(v[0] >= v[1] >= v[2] for _, v in g.top)
         assert g.accept_lengths == expected_taus(T, max_new, B, cap)
         assert max(g.accept_lengths) > 3
 

@@ -281,16 +281,16 @@ def test_rounding_bound_is_ulps_at_the_magnitude():
 
 
 def test_classify_parting_near_tie_and_real_error():
-    V = 10
-    ar = torch.zeros(V)
-    ar[3], ar[7], ar[1] = 20.0, 19.875, 12.0  # tokens 3 and 7: one bf16 step (1/8) apart at 16..32
-    ver = ar.clone()
-    ver[7] = 20.125  # the verification pass rounds the other way
+    # (top ids, their logits) as a pass records them; tokens 3 and 7 one bf16 step (1/8) apart at 16..32
+    ar = ([3, 7, 1, 0], [20.0, 19.875, 12.0, 0.0])
+    ver = ([7, 3, 1, 0], [20.125, 20.0, 12.0, 0.0])  # the verification pass rounds the other way
     tie = classify_parting(ar, ver, ar_token=3, spec_token=7, dtype=torch.bfloat16)
     assert tie["numerical"] and tie["bound"] == 0.5
     assert tie["passes"]["ar"]["top2_margin"] == 0.125 and tie["passes"]["verify"]["ar_token_gap"] == 0.125
     wrong = classify_parting(ar, ar, ar_token=3, spec_token=1, dtype=torch.bfloat16)  # 8 logits below the top
     assert not wrong["numerical"] and wrong["passes"]["ar"]["spec_token_gap"] == 8.0
+    outside = classify_parting(([3, 7], [20.0, 19.875]), ver, ar_token=3, spec_token=9, dtype=torch.bfloat16)
+    assert not outside["numerical"] and not outside["passes"]["ar"]["in_top_k"]  # not recorded: not a tie
     # the same near-tie is no excuse in float32, where both passes agree to ~1e-6
     assert not classify_parting(ar, ver, ar_token=3, spec_token=7, dtype=torch.float32)["numerical"]
 

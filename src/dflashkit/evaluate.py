@@ -17,10 +17,11 @@ multi-turn...), each with its own prompt count and answer length, evaluated one 
 and reported side by side; the headline is the mean over suites, beside the worst suite.
 
 Partings (greedy, online): where a speculative output parts from the autoregressive one, the
-target's logits at that position are recomputed in the two shapes of pass that produced the two
-tokens (a one-token step and a multi-token verification block) and classified by
-`classify_parting`: numerical when both tokens lie within a few units of rounding of the top logit
-in both passes, otherwise unexplained, which fails the evaluation.
+target's top logits at that position, as recorded by the two passes that chose the two tokens
+(a one-token step of the autoregressive run, the verification block of the speculative run,
+with the caches each run had built), are classified by `classify_parting`: numerical when both
+tokens lie within a few units of rounding of the top logit in both passes, otherwise
+unexplained, which fails the evaluation.
 
 τ of a round = accepted draft tokens + 1; the final round of an answer counts only the tokens up
 to its end (stop token or length limit), online and offline alike. Reports: τ mean, histogram,
@@ -42,7 +43,6 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import Tree, build_tree, walk
@@ -266,6 +266,7 @@ def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -
 # round hidden states differently through every layer, so their logits may sit a few final-
 # rounding steps apart; a real decoding error puts the speculative token far below the top.
 NUMERICAL_ULPS = 4
+TOP_RECORDED = 8  # logits per output token that greedy decoding records for this check
 
 
 def rounding_bound(magnitude: float, dtype: torch.dtype, ulps: int = NUMERICAL_ULPS) -> float:
@@ -274,63 +275,26 @@ def rounding_bound(magnitude: float, dtype: torch.dtype, ulps: int = NUMERICAL_U
     return ulps * fi.eps * 2.0 ** math.floor(math.log2(max(abs(magnitude), fi.tiny)))
 
 
-def classify_parting(ar_logits: Tensor, verify_logits: Tensor, ar_token: int, spec_token: int,
-                     dtype: torch.dtype, ulps: int = NUMERICAL_ULPS) -> dict[str, Any]:
-    """Where greedy outputs part: AR chose `ar_token`, the speculative method `spec_token`.
-    Per pass ([V] logits at the parting position): the top-2 margin and how far each of the two
-    tokens lies below the top logit. Numerical iff both gaps are within `rounding_bound` in both."""
+def classify_parting(ar_top: tuple[list[int], list[float]], spec_top: tuple[list[int], list[float]], ar_token: int,
+                     spec_token: int, dtype: torch.dtype, ulps: int = NUMERICAL_ULPS) -> dict[str, Any]:
+    """Where greedy outputs part: AR chose `ar_token`, the speculative method `spec_token`. Per
+    pass (the target's top-k ids and logits at the parting position, recorded by the pass that
+    chose the token: a one-token step, a verification block): the top-2 margin and how far each
+    of the two tokens lies below the top logit (a token outside the recorded top-k: at least the
+    k-th gap). Numerical iff both gaps are within `rounding_bound` in both passes."""
     passes, magnitude = {}, 0.0
-    for name, lg in (("ar", ar_logits), ("verify", verify_logits)):
-        lg = lg.float()
-        top = lg.topk(2).values.tolist()
-        passes[name] = {"top2_margin": top[0] - top[1], "ar_token_gap": top[0] - float(lg[ar_token]),
-                        "spec_token_gap": top[0] - float(lg[spec_token])}
-        magnitude = max(magnitude, abs(top[0]))
+    for name, (ids, values) in (("ar", ar_top), ("verify", spec_top)):
+        def gap(token: int) -> float:
+            return values[0] - (values[ids.index(token)] if token in ids else values[-1])
+
+        passes[name] = {"top2_margin": values[0] - values[1], "ar_token_gap": gap(ar_token),
+                        "spec_token_gap": gap(spec_token), "in_top_k": ar_token in ids and spec_token in ids}
+        magnitude = max(magnitude, abs(values[0]))
     bound = rounding_bound(magnitude, dtype, ulps)
     numerical = ar_token != spec_token and all(
-        max(p["ar_token_gap"], p["spec_token_gap"]) <= bound for p in passes.values())
+        p["in_top_k"] and max(p["ar_token_gap"], p["spec_token_gap"]) <= bound for p in passes.values())
     return {"ar_token": ar_token, "spec_token": spec_token, "bound": bound, "ulps": ulps,
             "dtype": str(dtype).removeprefix("torch."), "passes": passes, "numerical": numerical}
-
-
-@torch.no_grad()
-def _logits_at(target: Target, ids: Tensor, split: int, at: int) -> Tensor:
-    """[V] logits at position `at` of `ids` [1, T]: ids[:split] prefilled into a cache, then
-    ids[split:] in one pass (one token: an autoregressive step; several: a verification block)."""
-    engine = Engine(target)  # the Transformers runner over dflashkit's cache
-    if not split:  # the whole sequence in one prefill, whose logits are those of its last position
-        if at != ids.shape[1] - 1:
-            raise ValueError(f"a prefill gives the logits of its last position ({ids.shape[1] - 1}), not of {at}")
-        return engine.prefill([ids[0]], capacity=ids.shape[1])[0]
-    engine.prefill([ids[0, :split]], capacity=ids.shape[1])
-    rest = ids[:, split:]
-    return engine.verify(rest, torch.arange(rest.shape[1], device=rest.device)[None])[0, at - split]
-
-
-def parting_logits(target: Target, prompt: Tensor, g: Any, k: int, width: int) -> tuple[Tensor, Tensor]:
-    """(AR-step logits, verification-block logits) at output position k, recomputed with the target
-    alone, so that the decoding code needs no instrumentation. Before k both outputs are the same
-    tokens. The AR pass is a one-token step over a cache of everything before it. The verification
-    pass feeds the block of the round of `g` that committed position k (its bonus token and what
-    follows, `width` tokens: B for DFlash, budget + 1 for DDTree, whose tree is replayed as the
-    committed chain) over a cache of the prefix before the block; positions after k do not reach
-    k's logits except through the shape of the pass, which is what makes the two passes round
-    differently."""
-    P = prompt.shape[1]
-    start = 1  # output position 0 comes from the prefill; round i commits accept_lengths[i] from `start`
-    for tau in g.accept_lengths:
-        if k < start + tau:
-            break
-        start += tau
-
-    def ids(n: int) -> Tensor:
-        return torch.cat([prompt[0].cpu(), torch.tensor(g.tokens[:n], dtype=torch.long)])[None].to(target.device)
-
-    at = P + k - 1  # the logits that predict output position k
-    if k == 0:  # both methods took it from the same prefill
-        lg = _logits_at(target, ids(0), 0, at)
-        return lg, lg
-    return _logits_at(target, ids(k), at, at), _logits_at(target, ids(start - 1 + width), P + start - 1, at)
 
 
 def _prompt_label(row: dict[str, Any]) -> str:
@@ -385,7 +349,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
     per_prompt = []
     for i, pr in enumerate(tqdm(prompts, desc="online eval", unit="prompt", disable=None)):
         samp = Sampling(sampling.temperature, sampling.top_p, None if sampling.seed is None else sampling.seed + i)
-        kw = dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=samp, stop_ids=stop_ids)
+        kw = dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=samp, stop_ids=stop_ids,
+                  record_top=TOP_RECORDED if greedy else 0)
         ar = generate(base_engine, pr.ids, method="ar", **kw)
         base["tokens"] += len(ar.tokens)
         base["seconds"] += ar.prefill_seconds + ar.decode_seconds
@@ -406,9 +371,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                         parting = {"numerical": False, "reason": "one output is a prefix of the other"}
                         k = min(len(g.tokens), len(ar.tokens))
                     else:
-                        width = drafters[name].config.block_size if method == "dflash" else budget + 1
-                        parting = classify_parting(*parting_logits(target, pr.ids, g, k, width), ar.tokens[k],
-                                                   g.tokens[k], target.dtype)
+                        parting = classify_parting(ar.top[k], g.top[k], ar.tokens[k], g.tokens[k], target.dtype)
                     row.setdefault("partings", {})[f"{name}/{lab}"] = {"position": k, **parting}
                     if not parting["numerical"]:
                         r["unexplained"].append(pr.id)
@@ -546,7 +509,8 @@ def markdown(report: dict[str, Any]) -> str:
               "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png."]
     if online and report["greedy"]:
         lines += ["", f"Greedy outputs are compared with autoregressive decoding token by token. Where one parts, the "
-                  f"target's logits at that position are recomputed as a one-token step and as a verification block: "
+                  f"target's top logits at that position, as recorded by the two passes that chose the two tokens "
+                  f"(a one-token step and a verification block), are compared: "
                   f"the parting is numerical when both tokens are within {NUMERICAL_ULPS} units of {report.get('dtype')} "
                   "rounding of the top logit in both passes (report.json: per_prompt[].partings); any other parting "
                   "fails the evaluation."]

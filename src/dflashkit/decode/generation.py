@@ -64,6 +64,9 @@ class Generation:
     decode_seconds: float  # rounds only (after the first token)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
     draft_sizes: list[int] = field(default_factory=list)  # cost-aware: draft tokens verified per round
+    # When recorded (`decode_stream(record_top=k)`): per output token, the target's top-k token ids
+    # and logits in the pass that chose it (the evaluation's check of greedy partings).
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
     @property
     def rounds(self) -> int:

@@ -152,8 +152,14 @@ Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join
 Step = list[tuple[int, list[int], Generation]]  # one yield of the stream: (index, new tokens, Generation) per row
 
 
+def _top(logits: Tensor, k: int) -> tuple[list, list]:
+    """logits [b, q, V] -> the top-k ids and logits, [b][q][k] lists on the host."""
+    values, ids = logits.float().topk(k, dim=-1)
+    return ids.tolist(), values.tolist()
+
+
 def _start(engine: Engine, requests: Sequence[Request], first: int, method: str, budget: int | None,
-           prefill: Callable[[list[Tensor], int], Tensor]) -> tuple[list[_Row], Tensor, Step]:
+           prefill: Callable[[list[Tensor], int], Tensor], record_top: int) -> tuple[list[_Row], Tensor, Step]:
     """Prefill `requests` (numbered from `first`) through `prefill(prompts, capacity)` -> their
     rows, first tokens on the device [m] and the stream step that reports them."""
     for r in requests:
@@ -174,6 +180,10 @@ def _start(engine: Engine, requests: Sequence[Request], first: int, method: str,
     t1 = time.perf_counter()
     rows = [_Row(first + j, r, lim, g, Generation([], [], "", len(r.prompt), t1 - t0, 0.0), t1)
             for j, (r, lim, g) in enumerate(zip(requests, limits, gens))]
+    if record_top:
+        ids, values = _top(logits[:, None], record_top)
+        for j, row in enumerate(rows):
+            row.res.top.append((ids[j][0], values[j][0]))
     return rows, bonus, [(row.index, row.extend([t]), row.res) for row, t in zip(rows, tokens)]
 
 
@@ -192,6 +202,7 @@ def decode_stream(
     admit: Admit | None = None,
     profile: bool = False,
     cost_aware: bool = False,
+    record_top: int = 0,
 ) -> Iterator[Step]:
     """Decode every prompt to its first stop token (included) or its token limit. Yields, after
     the prefill and after each round, (prompt index, newly committed tokens, its running
@@ -209,7 +220,9 @@ def decode_stream(
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
     `budget` nodes from the top-`top_k` tokens of each slot). cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
-    tokens per second (`decode/cost.py`); the sizes chosen go to `Generation.draft_sizes`."""
+    tokens per second (`decode/cost.py`); the sizes chosen go to `Generation.draft_sizes`.
+    record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
+    that chose it (`Generation.top`; one more host transfer per round)."""
     prompts = [p.reshape(-1) if p.ndim == 2 and p.shape[0] == 1 else p for p in prompts]
     if not prompts or any(p.ndim != 1 for p in prompts):
         raise ValueError("prompts: expected a non-empty list of [T] or [1, T] token tensors")
@@ -221,7 +234,8 @@ def decode_stream(
     dev = engine.target.device
     stages = _Stages(profile, dev)
 
-    rows, bonus, step = _start(engine, requests, 0, method, budget, lambda ps, room: engine.prefill(ps, capacity=room))
+    rows, bonus, step = _start(engine, requests, 0, method, budget, lambda ps, room: engine.prefill(ps, capacity=room),
+                               record_top)
     admitted = n  # requests so far: the next one's index
     yield step
     curve = None
@@ -244,7 +258,7 @@ def decode_stream(
             idle = [k for k, r in enumerate(running) if not r]  # only on a fixed-rows engine
             places = (idle + list(range(len(rows), len(rows) + len(joining))))[:len(joining)]
             new, first, step = _start(engine, joining, admitted, method, budget,
-                                      lambda ps, room: engine.join(ps, places, capacity=room))
+                                      lambda ps, room: engine.join(ps, places, capacity=room), record_top)
             admitted += len(joining)
             bonus = torch.cat([bonus, first[len(idle):]])  # appended rows come after the idle ones
             bonus[torch.tensor(places, device=dev)] = first
@@ -264,8 +278,8 @@ def decode_stream(
             spent = time.perf_counter() - t_draft
             curve.draft_seconds = spent if not curve.draft_seconds else 0.8 * curve.draft_seconds + 0.2 * spent
         stages.mark("tree")
-        picked = row_tokens(engine.verify(tokens, depths, anc), [row.request.sampling for row in rows],
-                            [row.gen for row in rows])
+        logits = engine.verify(tokens, depths, anc)  # [b, q, V]
+        picked = row_tokens(logits, [row.request.sampling for row in rows], [row.gen for row in rows])
         stages.mark("verify")
         if chain is not None:
             host = torch.cat([chain, picked], 1).tolist()  # the round's one transfer to the host
@@ -274,14 +288,17 @@ def decode_stream(
         else:
             host = picked.tolist()
         walks = [walk(t, h) for t, h in zip(trees, host)]  # (accepted path, the target's token after it)
+        top = _top(logits, record_top) if record_top else None
         engine.commit([path if run else [] for (path, _), run in zip(walks, running)])  # idle rows commit nothing
         bonus = torch.tensor([last for _, last in walks], device=dev)
         stages.mark("commit")
         step = []
-        for row, tree, (path, last), run in zip(rows, trees, walks, running):
+        for r, (row, tree, (path, last), run) in enumerate(zip(rows, trees, walks, running)):
             if not run:
                 continue
             new = row.extend([tree.tokens[j - 1] for j in path[1:]] + [last])
+            if top is not None:  # the m-th new token was chosen at node path[m]
+                row.res.top += [(top[0][r][j], top[1][r][j]) for j in path[:len(new)]]
             row.res.accept_lengths.append(len(new))
             if curve is not None:
                 row.res.draft_sizes.append(tokens.shape[1] - 1)
