@@ -11,7 +11,8 @@ count and answer length) are never trained on: the built-in training set's gener
 prompt near one of them. --compare-bundled evaluates the bundled drafter beside the new one in
 the same run. --export-parts writes the new drafter (`best/`) as parts of at most 15 MiB with
 SHA-256 sums (`checkpoint.split_drafter`; `join_drafter` puts it back) right after training, and
---json is written then too, so that both survive an evaluation cut short. Any greedy output that
+--json is written then too, so that both survive an evaluation cut short; --no-eval stops there
+(evaluate later with `dflashkit eval`), for a job whose time limit must go to data and training. Any greedy output that
 parts from autoregressive decoding other than at a numerical near-tie fails the run (after the
 report is written).
 """
@@ -129,6 +130,9 @@ def main() -> None:
     p.add_argument("--export-parts", metavar="DIR",
                    help="write the new drafter as <= 15 MiB parts + SHA256SUMS here (checkpoint.join_drafter rejoins)")
     p.add_argument("--json", help="write the result here (after training, then again after the evaluation)")
+    p.add_argument("--no-eval", action="store_true",
+                   help="stop after training (and --export-parts): evaluate later with `dflashkit eval --drafter DIR/best`, "
+                        "so that a time-limited job spends its budget on data and training")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -173,6 +177,10 @@ def main() -> None:
     }
     if a.json:  # the training's outcome is kept even if the evaluation does not finish
         atomic_write_json(Path(a.json), result)
+    if a.no_eval:
+        clock.seconds["total"] = clock.elapsed() + clock.seconds["imports"]
+        print(summary_markdown(result))
+        return
 
     drafters = {"trained": load_drafter(best, target, device=target.device, dtype=target.dtype)}
     if a.compare_bundled:
