@@ -19,19 +19,24 @@ def make_tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 128, se
     return Target(LlamaForCausalLM(cfg).float(), None, name="tiny-llama")
 
 
-def make_tiny_hybrid(vocab: int = 128, seed: int = 0, layers: str = "LALLAL") -> Target:
+def make_tiny_hybrid(vocab: int = 128, seed: int = 0, layers: str = "LALLAL", moe: bool = False) -> Target:
     """A random Qwen3.5-style hybrid: Gated DeltaNet (L) and gated full attention (A) layers,
-    partial rotary, more value heads than key heads."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    partial rotary, more value heads than key heads; moe: Qwen3.5-MoE's MLP (8 routed experts, 2
+    per token, and a gated shared expert) in every layer."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layers),
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, max_position_embeddings=512, tie_word_embeddings=False,
-                            layer_types=["linear_attention" if c == "L" else "full_attention" for c in layers],
-                            bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    return Target(Qwen3_5ForCausalLM(cfg).float().eval(), None, name="tiny-qwen3.5")
+    kw = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=len(layers), num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
+              tie_word_embeddings=False, layer_types=["linear_attention" if c == "L" else "full_attention" for c in layers],
+              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if moe:
+        cfg = Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                                   num_experts_per_tok=2, **kw)
+        return Target(Qwen3_5MoeForCausalLM(cfg).float().eval(), None, name="tiny-qwen3.5-moe")
+    return Target(Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=128, **kw)).float().eval(), None,
+                  name="tiny-qwen3.5")
 
 
 def make_tiny_drafter(target: Target, seed: int = 1, **kw) -> DFlashDrafter:

@@ -31,25 +31,31 @@ def one_thread():
 
 
 def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0, context: int = 1024,
-                     hybrid: bool = False) -> Path:
+                     hybrid: bool = False, moe: bool = False) -> Path:
     """A random Llama (or, hybrid: a Qwen3.5-style model whose layers alternate Gated DeltaNet and
-    full attention) with SmolLM2's vocabulary and tokenizer (chat template included)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    full attention; moe: with Qwen3.5-MoE's experts as MLPs) with SmolLM2's vocabulary and
+    tokenizer (chat template included)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
     from dflashkit.data.chat import load_tokenizer
 
     tok = load_tokenizer()
     torch.manual_seed(seed)
-    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+    common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    if hybrid:
-        cfg = Qwen3_5TextConfig(**common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                                linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=True,
-                                layer_types=["linear_attention", "full_attention"] * (num_layers // 2))
-        Qwen3_5ForCausalLM(cfg).save_pretrained(path)
+    linear = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=8, tie_word_embeddings=True,
+                  layer_types=["linear_attention", "full_attention"] * (num_layers // 2))
+    if moe:
+        cfg = Qwen3_5MoeTextConfig(**common, **linear, moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
+                                   num_experts=4, num_experts_per_tok=2)
+        Qwen3_5MoeForCausalLM(cfg).save_pretrained(path)
+    elif hybrid:
+        Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, **linear, intermediate_size=2 * hidden)).save_pretrained(path)
     else:
-        LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).save_pretrained(path)
+        LlamaForCausalLM(LlamaConfig(**common, intermediate_size=2 * hidden, tie_word_embeddings=True)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -26,9 +26,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]
 
 
-@pytest.fixture(scope="module")
-def hybrid():
-    return make_tiny_hybrid()
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def hybrid(request):
+    """Qwen3.5-style (a gated MLP per layer) and Qwen3.5-MoE-style (routed experts + shared expert)."""
+    return make_tiny_hybrid(moe=request.param == "moe")
 
 
 def _path_closure(parents: list[int]) -> torch.Tensor:
@@ -229,14 +230,15 @@ def test_transformers_engine_refuses_hybrids(hybrid):
         Engine(hybrid)
 
 
-def test_every_stage_on_a_hybrid_target(tmp_path, capsys):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_every_stage_on_a_hybrid_target(tmp_path, capsys, moe):
     """regenerate -> tokenize -> extract -> train (online and from the feature cache) -> eval ->
-    generate -> export -> doctor -> check-features -> serve, on a tiny Qwen3.5-style hybrid saved
-    with SmolLM2's tokenizer."""
+    generate -> export -> doctor -> check-features -> serve, on a tiny Qwen3.5-style hybrid (and
+    its mixture-of-experts variant) saved with SmolLM2's tokenizer."""
     from datahelpers import live_server, save_tiny_target
     from dflashkit.cli import main
 
-    model = save_tiny_target(tmp_path / "hybrid", hybrid=True)
+    model = save_tiny_target(tmp_path / "hybrid", hybrid=True, moe=moe)
     cpu = [f"target.path={model}", "target.device=cpu"]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": q}) + "\n" for i, q in
@@ -257,6 +259,10 @@ def test_every_stage_on_a_hybrid_target(tmp_path, capsys):
     assert main(["train", f"train.output_dir={tmp_path / 'on'}", *train]) == 0
     assert main(["train", f"train.output_dir={tmp_path / 'off'}", f"data.features={tmp_path / 'f'}", *train]) == 0
     drafter = tmp_path / "on" / "final"
+    # the MLP width: the target's, or 3x hidden for experts (no dense width in the config)
+    assert json.loads((drafter / "config.json").read_text())["intermediate_size"] == (96 if moe else 64)
+    assert main(["train", f"train.output_dir={tmp_path / 'wide'}", "drafter.intermediate_size=40", *train]) == 0
+    assert json.loads((tmp_path / "wide" / "final" / "config.json").read_text())["intermediate_size"] == 40
     capsys.readouterr()
     assert main(["eval", "--drafter", f"mine={drafter}", "--prompts", str(prompts), "--limit", "2", "--max-new-tokens",
                  "10", "--budgets", "4", "--out", str(tmp_path / "ev"), *cpu]) == 0
@@ -270,6 +276,7 @@ def test_every_stage_on_a_hybrid_target(tmp_path, capsys):
     assert main(["doctor", str(drafter), *cpu]) == 0
     out = capsys.readouterr().out
     assert "2 linear attention (Gated DeltaNet)" in out and "static runner" in out and "kernels" in out, out
+    assert ("mixture of experts" in out) == moe, out
     assert main(["check-features", "target:runner=static", "target", "--input", str(tmp_path / "t.jsonl"),
                  "--min-cosine", "0.99999", "drafter.num_taps=2", *cpu]) == 0
     with live_server("--drafter", str(drafter), *cpu) as url:

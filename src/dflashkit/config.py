@@ -48,6 +48,8 @@ class DrafterSettings(_Section):
     mask_token_id: Int | None = Field(None, ge=0, description="None = the default rule (spare row / mask / unused special)")
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: Int | None = Field(None, ge=1)
+    intermediate_size: Int | None = Field(None, ge=1, description="the MLP width; None = the target's (3x hidden "
+                                          "for a mixture-of-experts target, which has no dense width)")
     init_from: str | None = Field(None, description="start from this reference-format drafter directory")
 
     @model_validator(mode="after")

@@ -352,6 +352,11 @@ def check_layers(target: Any) -> list[Finding]:
                                                     "eval, generate and serve refuse this target")]
     found.append(Finding(OK, "decoding", "eval, generate and serve run the static runner: the Gated DeltaNet state of "
                                          "each draft tree in one block, rolled back to the accepted leaf (PyTorch, any device)"))
+    cfg = target.config
+    if getattr(cfg, "num_experts", None):
+        found.append(Finding(OK, "mlp", f"mixture of experts ({cfg.num_experts} experts, {cfg.num_experts_per_tok} per "
+                                        "token, Transformers' own module): the target's layers run without CUDA graphs "
+                                        "(routing has data-dependent shapes); the drafter's step is still captured"))
     if importlib.util.find_spec("fla") is None:
         found.append(Finding(WARNING, "kernels", "fla-core is not installed: extraction and online training run "
                                                  "Transformers' PyTorch fallbacks for the linear layers (correct, slow on "

@@ -327,6 +327,7 @@ def drafter_config_for_target(
     block_size: int = 16,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    intermediate_size: int | None = None,
 ) -> DrafterConfig:
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), defaults of docs/conventions.md."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -341,7 +342,8 @@ def drafter_config_for_target(
         sliding_window = sliding_window or 2048
     return DrafterConfig(
         hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
+        # A mixture-of-experts target has no dense MLP width: 3x hidden, the ratio of Qwen3's dense models.
+        intermediate_size=intermediate_size or getattr(tc, "intermediate_size", None) or 3 * tc.hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
@@ -447,5 +449,6 @@ def new_drafter(target: Any, settings: Any) -> DFlashDrafter:
     cfg = drafter_config_for_target(
         target.config, mask_id, num_layers=settings.num_layers, num_taps=settings.num_taps,
         target_layer_ids=settings.target_layer_ids, block_size=settings.block_size,
-        layer_types=settings.layer_types, sliding_window=settings.sliding_window)
+        layer_types=settings.layer_types, sliding_window=settings.sliding_window,
+        intermediate_size=settings.intermediate_size)
     return DFlashDrafter(cfg).to(device=target.device, dtype=target.dtype)

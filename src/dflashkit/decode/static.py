@@ -33,9 +33,15 @@ from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, apply_rope
 from dflashkit.target import Target
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma3_text",)
-HYBRID = ("qwen3_5_text",)  # linear-attention layers beside full attention
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # linear-attention layers beside full attention
+
+
+def sparse_mlp(layer: Any) -> bool:
+    """A mixture-of-experts MLP (Qwen3.5-MoE: routed experts + a gated shared expert). It runs as
+    Transformers' own module: its routing has data-dependent shapes, so no CUDA graph captures it."""
+    return not hasattr(layer.mlp, "gate_proj")
 SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
 GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
 
@@ -91,11 +97,11 @@ class LayerWeights(NamedTuple):
     o: Tensor
     ob: Tensor | None
     ln2: Tensor
-    gate: Tensor
+    gate: Tensor | None  # None: a mixture-of-experts MLP (`sparse_mlp`), run by its module
     gb: Tensor | None
-    up: Tensor
+    up: Tensor | None
     ub: Tensor | None
-    down: Tensor
+    down: Tensor | None
     db: Tensor | None
     qkv: Tensor | None = None  # fused [q; k; v] rows (static_engine(fuse=True)): one GEMM instead of three
     gate_up: Tensor | None = None  # fused [gate; up] rows: one GEMM instead of two
@@ -112,18 +118,17 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     fuse: also q/k/v and gate/up as one row-concatenated weight each (see `_fuse_rows`)."""
     if hasattr(layer, "linear_attn"):
         return _linear_weights(layer, fuse)
-    a, m = layer.self_attn, layer.mlp
+    a, (gp, up, dp) = layer.self_attn, _mlp_projections(layer)
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
     gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's post_attention_layernorm is not the pre-MLP norm
     ln2 = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
-    mods = [layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, qn, kn, a.o_proj, ln2,
-            m.gate_proj, m.up_proj, m.down_proj]
+    mods = [layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, qn, kn, a.o_proj, ln2, gp, up, dp]
     b = [None if mod is None or getattr(mod, "bias", None) is None else mod.bias.detach() for mod in mods]
     fuse = fuse and all(x is None for x in b[1:4] + b[8:10])  # biased projections stay separate
     qkv_w = _fuse_rows([a.q_proj, a.k_proj, a.v_proj]) if fuse else None
-    gate_up = _fuse_rows([m.gate_proj, m.up_proj]) if fuse else None
+    gate_up = _fuse_rows([gp, up]) if fuse and gp is not None else None
     w = [None if mod is None else mod.weight.detach() for mod in mods]
-    extra = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
+    extra: dict[str, Any] = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
                  post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True, gelu=True) if gemma else {}
     if type(layer.input_layernorm).__name__.startswith("Qwen3_5"):
         extra = dict(offset=True, gated=True)
@@ -132,17 +137,22 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
 
 
 def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
-    la, m = layer.linear_attn, layer.mlp
+    la, (gp, up, dp) = layer.linear_attn, _mlp_projections(layer)
     d = {name: getattr(la, name).weight.detach() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
     mix = LinearMix(d["in_proj_qkv"], d["in_proj_z"], d["in_proj_b"], d["in_proj_a"],
                     _fuse_rows([la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]) if fuse else None,
                     la.conv1d.weight.detach()[:, 0], None if la.conv1d.bias is None else la.conv1d.bias.detach(),
                     la.dt_bias.detach(), la.A_log.detach(), la.norm.weight.detach())
-    gate_up = _fuse_rows([m.gate_proj, m.up_proj]) if fuse else None
+    gate_up = _fuse_rows([gp, up]) if fuse and gp is not None else None
+    gate, up_w, down = (None if mod is None else mod.weight.detach() for mod in (gp, up, dp))
     return LayerWeights(layer.input_layernorm.weight.detach(), None, None, None, None, None, None, None, None,
                         la.out_proj.weight.detach(), None, layer.post_attention_layernorm.weight.detach(),
-                        m.gate_proj.weight.detach(), None, m.up_proj.weight.detach(), None, m.down_proj.weight.detach(),
-                        None, gate_up=gate_up, offset=True, mix=mix)
+                        gate, None, up_w, None, down, None, gate_up=gate_up, offset=True, mix=mix)
+
+
+def _mlp_projections(layer: Any) -> list[nn.Module | None]:
+    """gate, up and down of a gated MLP; None for a mixture of experts (run by its module)."""
+    return [None] * 3 if sparse_mlp(layer) else [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
 
 
 @torch.no_grad()
@@ -208,11 +218,15 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
     return q, rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None), gate
 
 
-def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
-    """Attention output projection + residual, then the gated MLP + residual (Gemma: each branch
-    normalised before it joins the residual)."""
+def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
+    """The token mixer's output projection + residual (Gemma: normalised before it joins)."""
     a = F.linear(o, w.o, w.ob)
-    x = x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.offset))
+    return x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.offset))
+
+
+def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
+    """`out_proj`, then the gated MLP + residual (Gemma: normalised before it joins)."""
+    x = out_proj(x, o, w, eps)
     h = rms_norm(x, w.ln2, eps, w.offset)
     if w.gate_up is not None:
         gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
@@ -304,9 +318,11 @@ class StaticRunner:
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
-        self._qkv, self._out_mlp, self._linear_mix = qkv, out_mlp, linear_mix
+        self._qkv, self._out_mlp, self._out_proj, self._linear_mix = qkv, out_mlp, out_proj, linear_mix
+        self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
         if compile:
             self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
+            self._out_proj = torch.compile(out_proj, dynamic=True)
             self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
@@ -371,7 +387,11 @@ class StaticRunner:
                 o = attend(qh, *cache.view(ai, n), masks[kind], self.scale)
                 if gate is not None:
                     o = o * torch.sigmoid(gate)
-            x = self._out_mlp(x, o, w, self.eps)
+            if self.moe[i] is None:
+                x = self._out_mlp(x, o, w, self.eps)
+            else:
+                x = self._out_proj(x, o, w, self.eps)
+                x = x + self.moe[i](rms_norm(x, w.ln2, self.eps, w.offset))
             taps[i] = x
         h = rms_norm(x, self.norm_w, self.eps, self.tw[-1].offset)
         taps[len(self.tw) - 1] = h  # as in Target.forward: the last layer is reported after the final norm
@@ -428,15 +448,18 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
                   layer_ids: list[int] | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
-    target's step and the drafter's step. compile_drafter: torch.compile the drafter's whole step
+    target's step (not with a mixture-of-experts MLP) and the drafter's step. compile_drafter: torch.compile the drafter's whole step
     (its layers, masks and cache writes) before capture. layer_ids: the taps whose features the
     engine keeps (default: the drafter's)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
+    # Expert routing has data-dependent shapes: such a target's layers run eagerly (the drafter's
+    # step is still captured).
+    runner_graphs = graphs and not any(sparse_mlp(layer) for layer in target.layers)
     if layer_ids is None:
         layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
-    runner = StaticRunner(target, list(layer_ids), cuda_graphs=graphs, compile=compile, fuse=fuse)
+    runner = StaticRunner(target, list(layer_ids), cuda_graphs=runner_graphs, compile=compile, fuse=fuse)
     engine = Engine(target, drafter, runner)
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
