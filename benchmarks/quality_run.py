@@ -40,8 +40,8 @@ from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite  # noqa
 from dflashkit.data.regenerate import GenerationParams, regenerate_local  # noqa: E402
 from dflashkit.demo import bundled_drafter_dir  # noqa: E402
 from dflashkit.evaluate import (  # noqa: E402
-    check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, tau_sim_vs_online, training_tau_sim,
-    write_report,
+    check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, suite_probes, tau_sim_vs_online,
+    training_tau_sim, write_report,
 )
 from dflashkit.target import load_target  # noqa: E402
 from dflashkit.train import train  # noqa: E402
@@ -85,6 +85,10 @@ def eval_summary(report: dict[str, Any], suite_prompts: int | None) -> dict[str,
             "tau_sim_vs_online": tau_sim_vs_online(report), "partings": parting_summary(report)}
 
 
+def _cell(row: dict[str, float], key: str, fmt: str) -> str:
+    return format(row[key], fmt) if key in row else "–"
+
+
 def summary_markdown(result: dict[str, Any]) -> str:
     """The run's own tables: stage times, τ_sim against online τ, partings."""
     s, rg = result["seconds"], result["regenerate"]
@@ -102,11 +106,14 @@ def summary_markdown(result: dict[str, Any]) -> str:
     ev = result["eval"]
     if ev is None:
         return "\n".join(lines) + "\n"
-    lines += ["", "τ_sim (held-out split of the training set, by category) against online DFlash τ of the suite "
-              "of the same name:", "", "| drafter | suite | τ_sim | τ online | τ_sim / τ - 1 |",
-              "| --- | --- | ---: | ---: | ---: |"]
+    lines += ["", "Training's measures against online DFlash τ of each suite: τ_sim on the held-out split of the "
+              "training set (the category of the suite's name), and decoding rounds replayed during training on "
+              "the target's own answers to the suite (probe):", "",
+              "| drafter | suite | τ_sim held-out | τ replayed, probe | τ online | held-out / τ - 1 | probe / τ - 1 |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, suites in ev["tau_sim_vs_online"].items():
-        lines += [f"| {name} | {suite} | {c['tau_sim']:.3f} | {c['tau']:.3f} | {c['rel_diff']:+.1%} |"
+        lines += [f"| {name} | {suite} | {_cell(c, 'tau_sim', '.3f')} | {_cell(c, 'tau_rounds_probe', '.3f')} | "
+                  f"{c['tau']:.3f} | {_cell(c, 'rel_diff', '+.1%')} | {_cell(c, 'rel_diff_probe', '+.1%')} |"
                   for suite, c in suites.items()]
     lines += ["", f"Partings from autoregressive decoding (each classified against {ev['dtype']} rounding):", "",
               "| drafter/method | partings | numerical near-ties | unexplained |", "| --- | ---: | ---: | --- |"]
@@ -155,8 +162,16 @@ def main() -> None:
     samples = load_tokenized(tok_path)
     clock.lap("tokenize")
 
+    stop = stop_token_ids(target.tokenizer, target.model.generation_config)
+    suites = [(replace(s, max_new_tokens=a.suite_tokens or s.max_new_tokens),
+               eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
+    # The target's own answers to the suites: training measures tau_sim on them beside its held-out
+    # split (never trained on, never picking best/), the offline twin of the online evaluation below.
+    probes = suite_probes(target, [s for s, _ in suites], {s.name: ps for s, ps in suites}, stop)
+    clock.lap("probes")
+
     cfg.train.time_budget_s = max(30.0, a.budget_s - clock.elapsed())
-    run_dir = train(cfg, target=target, samples=samples)
+    run_dir = train(cfg, target=target, samples=samples, probes=probes)
     clock.lap("train")
     best = run_dir / "best"
     if a.export_parts:
@@ -185,11 +200,8 @@ def main() -> None:
     drafters = {"trained": load_drafter(best, target, device=target.device, dtype=target.dtype)}
     if a.compare_bundled:
         drafters["bundled"] = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
-    suites = [(replace(s, max_new_tokens=a.suite_tokens or s.max_new_tokens),
-               eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
     report = evaluate_suites(target, drafters, suites, methods=("dflash", "ddtree"), budgets=cfg.eval.ddtree_budgets,
-                             top_k=cfg.eval.ddtree_top_k,
-                             stop_ids=stop_token_ids(target.tokenizer, target.model.generation_config))
+                             top_k=cfg.eval.ddtree_top_k, stop_ids=stop)
     report.update(target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M"),
                   **training_tau_sim({"trained": best}))
     clock.lap("eval")

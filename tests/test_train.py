@@ -262,3 +262,33 @@ def test_cli_refuses_a_stop_token_as_mask_and_a_diverging_run_exits_nonzero(tiny
     r = _train_cli(target, data, tmp_path / "nan", "train.lr=1e30")
     assert r.returncode == 1 and "training diverged at step 1" in r.stderr, r.stderr
     assert not (tmp_path / "nan" / "best").exists() and not (tmp_path / "nan" / "final").exists()
+
+
+@pytest.mark.slow
+def test_rounds_replayed_on_probes_equal_online_dflash(smollm2, tmp_path):
+    """Probes (the target's own greedy answers to prompts it never trains on): the decoding rounds
+    that training replays on them give, in fp32, exactly the τ of online DFlash decoding of those
+    prompts; the mean acceptance over anchors (tau_sim) is a different, larger number."""
+    from dflashkit.config import load_config
+    from dflashkit.data.prompts import Suite, load_suite
+    from dflashkit.decode.loop import generate, make_engine
+    from dflashkit.demo import bundled_drafter_dir
+    from dflashkit.evaluate import eval_prompts, suite_probes
+    from dflashkit.train import train
+    from dflashkit.vocab import stop_token_ids
+
+    stop = stop_token_ids(smollm2.tokenizer, smollm2.model.generation_config)
+    suites = [Suite("chat", 3, 40, ""), Suite("code", 10, 16, "")]  # code: the training set (2 held out)
+    prompts = {s.name: eval_prompts(load_suite(s.name, s.prompts), smollm2.tokenizer) for s in suites}
+    probes = suite_probes(smollm2, suites, prompts, stop)
+    cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}", f"drafter.init_from={bundled_drafter_dir()}",
+                             "train.max_steps=1", "train.lr=1e-12", "train.batch_size=2", "train.micro_batch_size=2",
+                             "train.eval_every=1", "train.eval_samples=2", "train.tensorboard=false", "target.device=cpu"])
+    run = train(cfg, target=smollm2, samples=probes["code"], probes={"chat": probes["chat"]})
+    best = json.loads((run / "best.json").read_text())
+    drafter = load_drafter(run / "best", smollm2)
+    taus = [t for p in prompts["chat"] for t in generate(make_engine(smollm2, drafter, "hf"), p.ids, max_new_tokens=40,
+                                                         method="dflash", stop_ids=stop).accept_lengths]
+    online = sum(taus) / len(taus)
+    assert online > 1.2  # the bundled drafter: rounds of several tokens, not a trivial τ = 1
+    assert best["tau_rounds_probes"]["chat"] == pytest.approx(online, abs=1e-9)

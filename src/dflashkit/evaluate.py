@@ -47,6 +47,7 @@ from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import Tree, build_tree, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
+from dflashkit.objective import replay_rounds
 from dflashkit.target import Target
 
 log = logging.getLogger(__name__)
@@ -136,22 +137,6 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
                 path, _ = walk(tree, [truth[0]] + [truth[d] for d in tree.depths])
                 out[label][p] = len(path) - 1
     return out, spans
-
-
-def replay_rounds(accepted: dict[int, int], spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """(τ of the decoding rounds, τ at every answer position). A round at p commits τ(p) tokens,
-    clipped at the answer's end; the first round starts at the answer's first token (the bonus
-    that the prefill produced)."""
-    rounds, positions = [], []
-    for a, e in spans:
-        for p in range(a, e - 1):
-            positions.append(min(accepted[p] + 1, e - 1 - p))
-        p = a
-        while p < e - 1:
-            tau = min(accepted[p] + 1, e - 1 - p)
-            rounds.append(tau)
-            p += tau
-    return rounds, positions
 
 
 def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: Iterable[FeatureItem], *,
@@ -528,29 +513,54 @@ def _identical(m: dict[str, Any]) -> str:
 
 
 def training_tau_sim(paths: dict[str, Path]) -> dict[str, Any]:
-    """{'tau_sim': {drafter: {suite: tau_sim}}} for drafters that are a training run's `best/`
-    whose held-out split had suite labels (best.json: tau_sim_by_suite); {} when none has."""
-    found = {}
+    """For drafters that are a training run's `best/` (best.json): {'tau_sim': {drafter: {suite:
+    tau_sim}}} where its held-out split had suite labels (tau_sim_by_suite), and {'tau_rounds_probes':
+    {drafter: {suite: τ}}} where training replayed decoding rounds on the suites' own answers
+    (`suite_probes`); {} when none has either."""
+    found: dict[str, dict[str, Any]] = {}
     for name, path in paths.items():
         best = Path(path).parent / "best.json"
         if Path(path).name == "best" and best.is_file():
-            by_suite = json.loads(best.read_text()).get("tau_sim_by_suite")
-            if by_suite:
-                found[name] = by_suite
-    return {"tau_sim": found} if found else {}
+            saved = json.loads(best.read_text())
+            for key, field in (("tau_sim", "tau_sim_by_suite"), ("tau_rounds_probes", "tau_rounds_probes")):
+                if saved.get(field):
+                    found.setdefault(key, {})[name] = saved[field]
+    return found
+
+
+def suite_probes(target: Target, suites: Sequence[Any], prompts: dict[str, list[Prompt]],
+                 stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto") -> dict[str, list[Any]]:
+    """The target's own greedy answers to each evaluation suite's prompts, at the suite's answer
+    length, as `TokenizedSample`s: probes for `train(probes=...)`, which replays DFlash decoding
+    rounds on them: the offline twin of online DFlash decoding of that suite (the same tokens)."""
+    from dflashkit.data.chat import TokenizedSample
+    from dflashkit.decode.loop import generate_batch
+
+    eng = make_engine(target, None, engine)
+    out = {}
+    for s in suites:
+        ps = prompts[s.name]
+        gens = generate_batch(eng, [p.ids for p in ps], max_new_tokens=s.max_new_tokens, method="ar", stop_ids=stop_ids)
+        out[s.name] = [TokenizedSample(f"{s.name}/{p.id}", p.ids[0].tolist() + g.tokens,
+                                       [0] * p.ids.shape[1] + [1] * len(g.tokens)) for p, g in zip(ps, gens)]
+    return out
 
 
 def tau_sim_vs_online(report: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
-    """{drafter: {suite: {tau_sim, tau, rel_diff}}} for every suite whose name is a held-out group
-    of the drafter's training (`training_tau_sim`): τ_sim simulates the DFlash chain on the
-    training domain's held-out answers, `tau` is online DFlash on the suite, rel_diff = τ_sim / τ - 1."""
+    """{drafter: {suite: {tau, tau_sim, rel_diff, tau_rounds_probe, rel_diff_probe}}} (the keys
+    that apply) for every suite that the drafter's training measured (`training_tau_sim`): `tau`
+    is online DFlash on the suite; τ_sim the mean acceptance over anchors of the held-out answers
+    of the training category of the suite's name; τ_rounds_probe the decoding rounds replayed on
+    the target's own answers to the suite's prompts (`suite_probes`); rel_diff = value / τ - 1."""
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, sims in report.get("tau_sim", {}).items():
-        for suite, t in report["suites"].items():
-            online = t["drafters"].get(name, {}).get("dflash")
-            if suite in sims and online:
-                out.setdefault(name, {})[suite] = {"tau_sim": sims[suite], "tau": online["tau"],
-                                                   "rel_diff": sims[suite] / max(online["tau"], 1e-9) - 1}
+    for key, value, diff in (("tau_sim", "tau_sim", "rel_diff"), ("tau_rounds_probes", "tau_rounds_probe", "rel_diff_probe")):
+        for name, sims in report.get(key, {}).items():
+            for suite, t in report["suites"].items():
+                online = t["drafters"].get(name, {}).get("dflash")
+                if suite in sims and online:
+                    row = out.setdefault(name, {}).setdefault(suite, {"tau": online["tau"]})
+                    row[value] = sims[suite]
+                    row[diff] = sims[suite] / max(online["tau"], 1e-9) - 1
     return out
 
 
@@ -583,9 +593,10 @@ def suite_table(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {lab} | " + " | ".join(cells) +
                          f" | **{h['mean_tau']:.2f} ({h['mean_speedup']:.2f}x)** | {h['worst_suite']} {h['worst_tau']:.2f} | "
                          f"{h['worst_to_best']:.2f} |")
-    for name, sims in report.get("tau_sim", {}).items():
-        lines.append(f"| {name} | τ_sim (held-out, training) | " + " | ".join(
-            f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | | |")
+    for key, what in (("tau_sim", "τ_sim (held-out, training)"), ("tau_rounds_probes", "τ replayed (the suite's answers, training)")):
+        for name, sims in report.get(key, {}).items():
+            lines.append(f"| {name} | {what} | " + " | ".join(
+                f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | | |")
     lines += ["", "Cells: τ (speed-up over autoregressive decoding of the same suite); column heads: prompts × answer "
               "tokens. The mean weighs every suite the same; worst/best: the lowest suite τ over the highest."]
     return lines

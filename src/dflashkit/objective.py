@@ -51,6 +51,34 @@ def sample_anchors(loss_mask: Tensor, max_anchors: int, generator: torch.Generat
     return cand
 
 
+def replay_rounds(accepted: dict[int, int], spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(τ of the decoding rounds, τ at every answer position). A round at p commits τ(p) tokens,
+    clipped at the answer's end; the first round starts at the answer's first token (the bonus
+    that the prefill produced)."""
+    rounds, positions = [], []
+    for a, e in spans:
+        for p in range(a, e - 1):
+            positions.append(min(accepted[p] + 1, e - 1 - p))
+        p = a
+        while p < e - 1:
+            tau = min(accepted[p] + 1, e - 1 - p)
+            rounds.append(tau)
+            p += tau
+    return rounds, positions
+
+
+def anchor_runs(anchors: list[int]) -> list[tuple[int, int]]:
+    """Sorted anchor positions -> answer spans (a, e) as `replay_rounds` takes them: each run of
+    consecutive anchors a .. e-2 (an anchor has a supervised next token, so its span ends at e-1)."""
+    spans: list[tuple[int, int]] = []
+    for p in anchors:
+        if spans and p == spans[-1][1] - 1:
+            spans[-1] = (spans[-1][0], p + 2)
+        else:
+            spans.append((p, p + 2))
+    return spans
+
+
 def pad_anchors(anchor_lists: list[Tensor], multiple: int = 1) -> tuple[Tensor, Tensor]:
     """Stack per-sequence anchors into [b, n] (n rounded up to `multiple`) plus a validity mask.
     Padding blocks sit at position 0: they see only themselves and carry no label."""

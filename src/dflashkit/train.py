@@ -47,8 +47,8 @@ from torch import Tensor
 from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
                                   load_training_state, remove_stale_temp_files, save_drafter, target_problems)
 from dflashkit.drafter import DFlashDrafter, DrafterConfig
-from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, block_loss, check_label_sources,
-                                 micro_batch, pad_anchors, sample_anchors)
+from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
+                                 check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
 
 log = logging.getLogger(__name__)
 
@@ -408,24 +408,35 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[MicroBatch, bool]]) -> dict[str, Any]:
-        """Held-out loss, per-slot accuracy, tau_sim and the histogram of simulated acceptance lengths."""
+        """Held-out loss, per-slot accuracy, tau_sim (the mean acceptance length over anchors),
+        tau_rounds (decoding rounds replayed over the anchors, as online decoding averages them;
+        exact when every answer position is an anchor) and the histogram of acceptance lengths."""
         self.model.eval()
         B = self.cfg.block_size
         dev = self.head_weight.device
         acc = torch.zeros(2 + 2 * B + (B + 1), dtype=torch.float64, device=dev)
+        replayed = [0, 0]  # tokens, rounds
         for mb, counted in batches:
             out = self._forward(mb)
             if not counted:
                 continue
             hist = torch.bincount(out.accept_len[out.block_valid], minlength=B + 1)
             acc += torch.cat([out.loss_sum[None], out.weight_sum[None], out.slot_correct, out.slot_count, hist]).double()
+            n = mb.anchors.shape[1]
+            for anchors, taus, valid in zip(mb.anchors.tolist(), out.accept_len.view(-1, n).tolist(),
+                                            out.block_valid.view(-1, n).tolist()):
+                accepted = {p: t - 1 for p, t, v in zip(anchors, taus, valid) if v}
+                rounds = replay_rounds(accepted, anchor_runs(sorted(accepted)))[0]
+                replayed[0] += sum(rounds)
+                replayed[1] += len(rounds)
+        acc = torch.cat([acc, torch.tensor(replayed, dtype=torch.float64, device=dev)])
         _all_sum(acc, self.d)
-        correct, count, hist = acc[2: 2 + B], acc[2 + B: 2 + 2 * B], acc[2 + 2 * B:]
+        correct, count, hist = acc[2: 2 + B], acc[2 + B: 2 + 2 * B], acc[2 + 2 * B: 3 + 3 * B]
         n_blocks = float(hist.sum())
         tau = float((hist * torch.arange(B + 1, device=dev)).sum() / max(n_blocks, 1.0))
         return {"loss": float(acc[0] / acc[1].clamp(min=1e-12)),
                 "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
-                "tau_sim": tau,
+                "tau_sim": tau, "tau_rounds": float(acc[-2] / acc[-1].clamp(min=1)),
                 "slot_acc": [round(float(c / max(float(k), 1.0)), 4) for c, k in zip(correct[1:], count[1:])],
                 "accept_hist": [int(h) for h in hist[1:]], "blocks": int(n_blocks)}
 
@@ -716,22 +727,25 @@ def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int
 
 def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
           feature_layer_ids: list[int] | None = None, resume: bool | str | None = None,
-          overwrite: bool = False) -> Path:
+          overwrite: bool = False, probes: dict[str, Sequence[Any]] | None = None) -> Path:
     """Train a drafter as `cfg` says; returns the output directory (holding `final/`, `best/`,
     `checkpoints/`, `metrics.jsonl`, `curves.png`). `target` / `samples` skip loading them.
     The directory belongs to this run (`run_directory`): without `resume`, an earlier run's files
-    are an error unless `overwrite`."""
+    are an error unless `overwrite`. probes: named sets of `TokenizedSample`s from elsewhere (e.g.
+    the target's own answers to the evaluation suites), never trained on and never used to pick
+    `best/`: whenever `best/` is saved, decoding rounds are replayed on each (best.json:
+    tau_rounds_probes), with features computed online."""
     from dflashkit.commands import resolve_device
 
     t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
     d = init_distributed(want.type == "cuda")
     with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=overwrite, main=d.main):
-        return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume)
+        return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume, probes or {})
 
 
 def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, samples: Sequence[Any] | None,
-           feature_layer_ids: list[int] | None, resume: bool | str | None) -> Path:
+           feature_layer_ids: list[int] | None, resume: bool | str | None, probes: dict[str, Sequence[Any]]) -> Path:
     tc = cfg.train
     device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
     out_dir = Path(tc.output_dir)
@@ -765,6 +779,14 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     ids = sample_ids(samples)
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
     eval_groups = held_out_groups(ids, eval_idx)
+    probe_idx: dict[str, list[int]] = {}
+    if probes:  # after the training set, so that its split and schedule stay as they are
+        if hasattr(samples, "ids"):
+            raise ValueError("train: probes need features computed online; data.features gives cached ones only")
+        samples = list(samples)
+        for name, group in probes.items():
+            probe_idx[name] = list(range(len(samples), len(samples) + len(group)))
+            samples += list(group)
     total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
     if tc.time_budget_s and not tc.max_steps:
         total = BUDGET_PROVISIONAL_STEPS  # re-fitted to the budget from the first timed step on
@@ -809,21 +831,25 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
 
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not d.main, dynamic_ncols=True)
     t_last, tokens = time.perf_counter(), 0.0
+    def held_out(idx: list[int]) -> dict[str, Any]:
+        return trainer.evaluate((batcher.build(items, held_out=True), counted)
+                                for items, counted in eval_items(idx, tc.micro_batch_size, d))
+
     def evaluate(done: int) -> None:
         """Held-out metrics at step `done`; `best/` follows the highest tau_sim."""
         nonlocal best
-        ev = trainer.evaluate((batcher.build(items, held_out=True), counted) for items, counted in eval_items(eval_idx, tc.micro_batch_size, d))
+        ev = held_out(eval_idx)
         metrics.log(done, "eval", ev)
         check_finite(done, {"loss": ev["loss"]})
         if d.main:
-            log.info("eval step %d: tau_sim %.3f acc %.3f loss %.4f (per slot %s)", done, ev["tau_sim"], ev["acc"],
-                     ev["loss"], ev["slot_acc"])
+            log.info("eval step %d: tau_sim %.3f (rounds replayed %.3f) acc %.3f loss %.4f (per slot %s)", done,
+                     ev["tau_sim"], ev["tau_rounds"], ev["acc"], ev["loss"], ev["slot_acc"])
         if ev["tau_sim"] > best["tau_sim"]:
             best = {"tau_sim": ev["tau_sim"], "step": done}
             if eval_groups:  # per suite, for comparison with online τ suite by suite
-                best["tau_sim_by_suite"] = {g: trainer.evaluate(
-                    (batcher.build(items, held_out=True), counted) for items, counted in eval_items(idx, tc.micro_batch_size, d))["tau_sim"]
-                    for g, idx in eval_groups.items()}
+                best["tau_sim_by_suite"] = {g: held_out(idx)["tau_sim"] for g, idx in eval_groups.items()}
+            if probe_idx:  # decoding rounds replayed on each probe set: what online decoding of it averages
+                best["tau_rounds_probes"] = {name: held_out(idx)["tau_rounds"] for name, idx in probe_idx.items()}
             params = trainer.full_params()
             check_finite(done, {}, params)
             if d.main:
