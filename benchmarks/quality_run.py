@@ -37,11 +37,11 @@ from dflashkit.commands import resolve_device  # noqa: E402
 from dflashkit.config import load_config  # noqa: E402
 from dflashkit.data.chat import load_tokenized, tokenize_file  # noqa: E402
 from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite  # noqa: E402
-from dflashkit.data.regenerate import GenerationParams, regenerate_local  # noqa: E402
+from dflashkit.data.regenerate import GenerationParams, probe_samples, regenerate_local  # noqa: E402
 from dflashkit.demo import bundled_drafter_dir  # noqa: E402
 from dflashkit.evaluate import (  # noqa: E402
-    check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, suite_probes, tau_sim_vs_online,
-    training_tau_sim, write_report,
+    check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, tau_sim_vs_online, training_tau_sim,
+    write_report,
 )
 from dflashkit.target import load_target  # noqa: E402
 from dflashkit.train import train  # noqa: E402
@@ -167,7 +167,7 @@ def main() -> None:
                eval_prompts(load_suite(s.name, a.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
     # The target's own answers to the suites: training measures tau_sim on them beside its held-out
     # split (never trained on, never picking best/), the offline twin of the online evaluation below.
-    probes = suite_probes(target, [s for s, _ in suites], {s.name: ps for s, ps in suites}, stop)
+    probes = {s.name: probe_samples(target, load_suite(s.name, a.suite_prompts), s.max_new_tokens) for s, _ in suites}
     clock.lap("probes")
 
     cfg.train.time_budget_s = max(30.0, a.budget_s - clock.elapsed())

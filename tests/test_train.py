@@ -86,6 +86,8 @@ def test_offline_feature_cache_trains_like_online_features(tmp_path):
     run_job(str(tmp_path / "offline"), ["train.max_steps=2", "train.eval_every=1000", f"data.features={cache}"],
             samples=None)
     assert losses(tmp_path / "offline") == pytest.approx(losses(tmp_path / "online"), rel=1e-5)
+    with pytest.raises(ValueError, match="train.probes: probes need features computed online"):
+        run_job(str(tmp_path / "probes"), ["train.probes=suites", f"data.features={cache}"], samples=None)
 
 
 def test_kill9_then_resume_gives_the_same_losses(tmp_path):
@@ -270,25 +272,28 @@ def test_rounds_replayed_on_probes_equal_online_dflash(smollm2, tmp_path):
     that training replays on them give, in fp32, exactly the τ of online DFlash decoding of those
     prompts; the mean acceptance over anchors (tau_sim) is a different, larger number."""
     from dflashkit.config import load_config
-    from dflashkit.data.prompts import Suite, load_suite
+    from dflashkit.data.prompts import load_suite
+    from dflashkit.data.regenerate import probe_samples
     from dflashkit.decode.loop import generate, make_engine
     from dflashkit.demo import bundled_drafter_dir
-    from dflashkit.evaluate import eval_prompts, suite_probes
+    from dflashkit.evaluate import eval_prompts
     from dflashkit.train import train
     from dflashkit.vocab import stop_token_ids
 
-    stop = stop_token_ids(smollm2.tokenizer, smollm2.model.generation_config)
-    suites = [Suite("chat", 3, 40, ""), Suite("code", 10, 16, "")]  # code: the training set (2 held out)
-    prompts = {s.name: eval_prompts(load_suite(s.name, s.prompts), smollm2.tokenizer) for s in suites}
-    probes = suite_probes(smollm2, suites, prompts, stop)
+    prompts = tmp_path / "chat.jsonl"  # what a user would serve: probes from a prompt file (train.probes)
+    prompts.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in load_suite("chat", 3)))
+    samples = probe_samples(smollm2, load_suite("code", 10), 16)  # a small training set (2 held out)
     cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}", f"drafter.init_from={bundled_drafter_dir()}",
                              "train.max_steps=1", "train.lr=1e-12", "train.batch_size=2", "train.micro_batch_size=2",
-                             "train.eval_every=1", "train.eval_samples=2", "train.tensorboard=false", "target.device=cpu"])
-    run = train(cfg, target=smollm2, samples=probes["code"], probes={"chat": probes["chat"]})
+                             "train.eval_every=1", "train.eval_samples=2", "train.tensorboard=false", "target.device=cpu",
+                             f"train.probes={prompts}", "data.max_new_tokens=40"])
+    run = train(cfg, target=smollm2, samples=samples)
     best = json.loads((run / "best.json").read_text())
     drafter = load_drafter(run / "best", smollm2)
-    taus = [t for p in prompts["chat"] for t in generate(make_engine(smollm2, drafter, "hf"), p.ids, max_new_tokens=40,
-                                                         method="dflash", stop_ids=stop).accept_lengths]
+    stop = stop_token_ids(smollm2.tokenizer, smollm2.model.generation_config)
+    taus = [t for p in eval_prompts(load_suite("chat", 3), smollm2.tokenizer)
+            for t in generate(make_engine(smollm2, drafter, "hf"), p.ids, max_new_tokens=40, method="dflash",
+                              stop_ids=stop).accept_lengths]
     online = sum(taus) / len(taus)
     assert online > 1.2  # the bundled drafter: rounds of several tokens, not a trivial τ = 1
     assert best["tau_rounds_probes"]["chat"] == pytest.approx(online, abs=1e-9)

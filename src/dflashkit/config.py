@@ -90,6 +90,10 @@ class TrainConfig(_Section):
     micro_batch_size: Int = Field(1, ge=1, description="sequences per forward pass and process")
     epochs: Float = Field(1.0, gt=0)
     max_steps: Int | None = Field(None, ge=1, description="overrides epochs")
+    probes: str | None = Field(None, description="prompts whose answers by the target training replays decoding "
+                               "rounds on, never trained on (needs online features): 'suites' (the evaluation "
+                               "suites, each its own answer length) or a prompt set (file, dataset, 'builtin:N') "
+                               "answered to data.max_new_tokens; best.json: tau_rounds_probes")
     time_budget_s: Float | None = Field(None, gt=0, description="wall-clock budget from the start of `train`; "
                                         "overrides epochs (max_steps still caps): the schedule is fitted to the "
                                         "steps that fit, timed over the first steps")

@@ -516,7 +516,7 @@ def training_tau_sim(paths: dict[str, Path]) -> dict[str, Any]:
     """For drafters that are a training run's `best/` (best.json): {'tau_sim': {drafter: {suite:
     tau_sim}}} where its held-out split had suite labels (tau_sim_by_suite), and {'tau_rounds_probes':
     {drafter: {suite: τ}}} where training replayed decoding rounds on the suites' own answers
-    (`suite_probes`); {} when none has either."""
+    (`train.probes`); {} when none has either."""
     found: dict[str, dict[str, Any]] = {}
     for name, path in paths.items():
         best = Path(path).parent / "best.json"
@@ -528,30 +528,12 @@ def training_tau_sim(paths: dict[str, Path]) -> dict[str, Any]:
     return found
 
 
-def suite_probes(target: Target, suites: Sequence[Any], prompts: dict[str, list[Prompt]],
-                 stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto") -> dict[str, list[Any]]:
-    """The target's own greedy answers to each evaluation suite's prompts, at the suite's answer
-    length, as `TokenizedSample`s: probes for `train(probes=...)`, which replays DFlash decoding
-    rounds on them: the offline twin of online DFlash decoding of that suite (the same tokens)."""
-    from dflashkit.data.chat import TokenizedSample
-    from dflashkit.decode.loop import generate_batch
-
-    eng = make_engine(target, None, engine)
-    out = {}
-    for s in suites:
-        ps = prompts[s.name]
-        gens = generate_batch(eng, [p.ids for p in ps], max_new_tokens=s.max_new_tokens, method="ar", stop_ids=stop_ids)
-        out[s.name] = [TokenizedSample(f"{s.name}/{p.id}", p.ids[0].tolist() + g.tokens,
-                                       [0] * p.ids.shape[1] + [1] * len(g.tokens)) for p, g in zip(ps, gens)]
-    return out
-
-
 def tau_sim_vs_online(report: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
     """{drafter: {suite: {tau, tau_sim, rel_diff, tau_rounds_probe, rel_diff_probe}}} (the keys
     that apply) for every suite that the drafter's training measured (`training_tau_sim`): `tau`
     is online DFlash on the suite; τ_sim the mean acceptance over anchors of the held-out answers
     of the training category of the suite's name; τ_rounds_probe the decoding rounds replayed on
-    the target's own answers to the suite's prompts (`suite_probes`); rel_diff = value / τ - 1."""
+    the target's own answers to the suite's prompts (`train.probes`); rel_diff = value / τ - 1."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for key, value, diff in (("tau_sim", "tau_sim", "rel_diff"), ("tau_rounds_probes", "tau_rounds_probe", "rel_diff_probe")):
         for name, sims in report.get(key, {}).items():

@@ -779,10 +779,14 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     ids = sample_ids(samples)
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
     eval_groups = held_out_groups(ids, eval_idx)
+    if (probes or tc.probes) and hasattr(samples, "ids"):
+        raise ValueError("train.probes: probes need features computed online; data.features gives cached ones only")
+    if not probes and tc.probes:
+        from dflashkit.data.regenerate import probe_sets
+
+        probes = probe_sets(tc.probes, target, cfg.data.max_new_tokens)
     probe_idx: dict[str, list[int]] = {}
     if probes:  # after the training set, so that its split and schedule stay as they are
-        if hasattr(samples, "ids"):
-            raise ValueError("train: probes need features computed online; data.features gives cached ones only")
         samples = list(samples)
         for name, group in probes.items():
             probe_idx[name] = list(range(len(samples), len(samples) + len(group)))

@@ -69,6 +69,34 @@ def context_messages(conv: Conversation) -> list[dict]:
     return conv.messages[:last + 1]
 
 
+def probe_samples(target: Any, conversations: list[Conversation], max_new_tokens: int) -> list[Any]:
+    """The target's own greedy answers to `conversations` (up to their last user turn) as
+    `TokenizedSample`s: probes that training replays decoding rounds on and never trains on
+    (`train(probes=...)`), the offline twin of online greedy DFlash decoding of these prompts."""
+    import torch
+
+    from dflashkit.data.chat import TokenizedSample
+    from dflashkit.decode.loop import generate_batch, make_engine
+    from dflashkit.vocab import stop_token_ids
+
+    ids = [prompt_ids(target.tokenizer, context_messages(c)) for c in conversations]
+    gens = generate_batch(make_engine(target, None), [torch.tensor(i) for i in ids], max_new_tokens=max_new_tokens,
+                          method="ar", stop_ids=stop_token_ids(target.tokenizer, target.model.generation_config))
+    return [TokenizedSample(c.id, i + g.tokens, [0] * len(i) + [1] * len(g.tokens))
+            for c, i, g in zip(conversations, ids, gens)]
+
+
+def probe_sets(spec: str, target: Any, max_new_tokens: int, limit: int | None = None) -> dict[str, list[Any]]:
+    """`train.probes`: 'suites' -> one probe per evaluation suite (its prompts, `limit` at most,
+    and its answer length); else a prompt set (file, dataset or 'builtin:N') -> one probe named
+    after it, answered to `max_new_tokens`."""
+    from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite
+
+    if spec == "suites":
+        return {s.name: probe_samples(target, load_suite(s.name, limit), s.max_new_tokens) for s in EVAL_SUITES}
+    return {Path(spec).stem or spec: probe_samples(target, load_prompts(spec, limit=limit), max_new_tokens)}
+
+
 # ---- the append-only output ----------------------------------------------------------------------------
 
 
