@@ -36,14 +36,14 @@ from dflashkit.target import Target
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma3_text",)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # linear-attention layers beside full attention
+SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
+GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
 
 
 def sparse_mlp(layer: Any) -> bool:
     """A mixture-of-experts MLP (Qwen3.5-MoE: routed experts + a gated shared expert). It runs as
     Transformers' own module: its routing has data-dependent shapes, so no CUDA graph captures it."""
     return not hasattr(layer.mlp, "gate_proj")
-SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
-GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
 
 
 def supported(target: Target) -> str | None:
@@ -129,7 +129,8 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     gate_up = _fuse_rows([gp, up]) if fuse and gp is not None else None
     w = [None if mod is None else mod.weight.detach() for mod in mods]
     extra: dict[str, Any] = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
-                 post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True, gelu=True) if gemma else {}
+                                 post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True,
+                                 gelu=True) if gemma else {}
     if type(layer.input_layernorm).__name__.startswith("Qwen3_5"):
         extra = dict(offset=True, gated=True)
     return LayerWeights(w[0], w[1], b[1], w[2], b[2], w[3], b[3], w[4], w[5], w[6], b[6], w[7], w[8], b[8], w[9], b[9],
