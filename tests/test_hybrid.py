@@ -80,26 +80,37 @@ def test_extraction_equals_plain_forward(hybrid):
         torch.testing.assert_close(batch.pending[i, :len(p)], want, atol=1e-4, rtol=1e-4)
 
 
+def _prefilled(hybrid, seed: int):
+    """An engine with three ragged prompts prefilled, its random stream and the committed tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 120, (n,), generator=gen) for n in (9, 4, 13)]
+    eng = static_engine(hybrid, make_tiny_drafter(hybrid))
+    eng.prefill(prompts, capacity=16)
+    return eng, gen, [p.tolist() for p in prompts]
+
+
+def _assert_fresh_prefill(eng, committed: list[list[int]], linear_rows: list[int]) -> None:
+    """Every row's lengths and keys/values, and the linear state of `linear_rows`, equal a fresh
+    prefill of what each row committed."""
+    fresh = static_engine(eng.target, eng.drafter)
+    fresh.prefill([torch.tensor(c) for c in committed], capacity=64)
+    assert eng.lengths == [len(c) for c in committed]
+    for i, n in enumerate(eng.lengths):
+        torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
+    lin, want = eng.cache.linear, fresh.cache.linear
+    torch.testing.assert_close(lin.conv[:, linear_rows], want.conv[:, linear_rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lin.rec[:, linear_rows], want.rec[:, linear_rows], atol=1e-4, rtol=1e-4)
+
+
 def test_cache_after_commits_equals_fresh_prefill(hybrid):
     """After random chain and tree commits, every row's keys/values, conv windows and recurrent
     states equal a fresh prefill of what the row committed; the next logits equal the target's."""
-    drafter = make_tiny_drafter(hybrid)
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 120, (n,), generator=gen) for n in (9, 4, 13)]
-    eng = static_engine(hybrid, drafter)
-    eng.prefill(prompts, capacity=16)
-    committed = [p.tolist() for p in prompts]
+    eng, gen, committed = _prefilled(hybrid, 7)
     for _ in range(6):
         for row, new in zip(committed, _random_round(eng, gen, hybrid.vocab_size)):
             row += new
-    fresh = static_engine(hybrid, drafter)
-    fresh.prefill([torch.tensor(c) for c in committed], capacity=64)
-    for i, n in enumerate(eng.lengths):
-        assert n == len(committed[i])
-        torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(eng.cache.linear.conv, fresh.cache.linear.conv, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(eng.cache.linear.rec, fresh.cache.linear.rec, atol=1e-4, rtol=1e-4)
+    _assert_fresh_prefill(eng, committed, [0, 1, 2])
     bonus = torch.tensor([5, 6, 7])
     logits = eng.verify(bonus[:, None], torch.zeros(3, 1, dtype=torch.long))[:, 0]
     for i, c in enumerate(committed):
@@ -120,12 +131,7 @@ def test_cache_after_ar_steps_among_commits_equals_fresh_prefill(hybrid):
     """AR steps mixed with chain and tree commits, with a row idle from the fourth round on: every
     row's keys/values equal a fresh prefill of what it committed, the running rows' conv windows
     and recurrent states too, and a commit leaves the idle row's linear state as it was."""
-    drafter = make_tiny_drafter(hybrid)
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 120, (n,), generator=gen) for n in (9, 4, 13)]
-    eng = static_engine(hybrid, drafter)
-    eng.prefill(prompts, capacity=16)
-    committed = [p.tolist() for p in prompts]
+    eng, gen, committed = _prefilled(hybrid, 11)
     lin = eng.cache.linear
     for r, ar in enumerate([True, False, True, True, False, True, False, True]):
         idle = {1} if r >= 3 else set()
@@ -135,15 +141,7 @@ def test_cache_after_ar_steps_among_commits_equals_fresh_prefill(hybrid):
             assert torch.equal(lin.conv[:, 1], before[0]) and torch.equal(lin.rec[:, 1], before[1])
         for row, n in zip(committed, new):
             row += n
-    fresh = static_engine(hybrid, drafter)
-    fresh.prefill([torch.tensor(c) for c in committed], capacity=64)
-    assert eng.lengths == [len(c) for c in committed]
-    for i, n in enumerate(eng.lengths):
-        torch.testing.assert_close(eng.cache.k[:, i, :, :n], fresh.cache.k[:, i, :, :n], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(eng.cache.v[:, i, :, :n], fresh.cache.v[:, i, :, :n], atol=1e-4, rtol=1e-4)
-    running, want = [0, 2], fresh.cache.linear
-    torch.testing.assert_close(lin.conv[:, running], want.conv[:, running], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lin.rec[:, running], want.rec[:, running], atol=1e-4, rtol=1e-4)
+    _assert_fresh_prefill(eng, committed, [0, 2])  # row 1 went idle: its state is checked above
     with pytest.raises(RuntimeError, match="no verification pass"):  # the last pass was committed once
         eng.commit([[0], [], [0]])
 
