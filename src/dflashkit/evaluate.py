@@ -238,12 +238,9 @@ class Prompt:
 def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -> list[Prompt]:
     """Conversations -> templated prompt ids, each cut after its last user turn (the model answers that)."""
     from dflashkit.data.chat import prompt_ids
+    from dflashkit.data.regenerate import context_messages
 
-    out = []
-    for c in convs:
-        msgs = c.messages[:max(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
-        out.append(Prompt(c.id, torch.tensor([prompt_ids(tokenizer, msgs, thinking=thinking)])))
-    return out
+    return [Prompt(c.id, torch.tensor([prompt_ids(tokenizer, context_messages(c), thinking=thinking)])) for c in convs]
 
 
 # A parting counts as numerical when both tokens are within this many units in the last place (of
