@@ -2,7 +2,9 @@
 
 prompts -> regenerate -> tokenize -> extract -> adapt -> evaluate -> report, on SmolLM2-135M-Instruct,
 on a GPU when there is one. Rather than training a drafter from scratch (a few CPU minutes teach
-a drafter little), the demo adapts the bundled SmolLM2 drafter to its own regenerated domain:
+a drafter little), the demo adapts the bundled SmolLM2 drafter to a domain of its own, requests for
+structured output (JSON, SQL, CSV; `assets/demo_domain.yaml`) that the built-in training set does
+not cover, written to a prompt file as a user's traffic would be and answered by the target:
 fine-tuning from `drafter.init_from` with the settings of `configs/finetune.yaml`. It reports τ
 before and after on a held-out split of that domain (the split training measures tau_sim on),
 and both drafters on the evaluation suites, side by side. Every stage writes plain files under
@@ -81,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from dflashkit.commands import add_config_options
 
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); re-runs reuse it")
-    p.add_argument("--train-prompts", type=int, help="built-in prompts the target answers (CPU 40, GPU 2200)")
+    p.add_argument("--train-prompts", type=int, help="prompts of the demo's domain the target answers (CPU 40, GPU 2200)")
     p.add_argument("--train-minutes", type=float, help="fine-tuning wall clock (CPU 2.5, GPU 3)")
     p.add_argument("--suite-prompts", type=int, help="prompts per evaluation suite (CPU 2, GPU each suite's count)")
     p.add_argument("--budgets", help="DDTree node budgets, comma list (CPU 64, GPU 8,16,32,64)")
@@ -89,11 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.checkpoint import atomic_write_bytes, load_drafter, save_drafter
     from dflashkit.commands import config_from_args, resolve_device
     from dflashkit.data.chat import load_tokenized, tokenize_file
     from dflashkit.data.features import FeatureCache, extract_features
-    from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite
+    from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite, near_evaluation
+    from dflashkit.data.trainset import domain_path, generate
     from dflashkit.data.regenerate import GenerationParams, regenerate_local
     from dflashkit.evaluate import (check_partings, eval_prompts, evaluate_offline, evaluate_suites, heldout_items,
                                     markdown, training_tau_sim, write_report)
@@ -130,8 +133,14 @@ def run(args: argparse.Namespace) -> int:
                                                            dtype=cfg.target.dtype, device=device))
     regen, tok_path, feats = out / "regenerated.jsonl", out / "tokenized.jsonl", out / "features"
 
+    domain = out / "domain_prompts.jsonl"
+    if not domain.is_file() or len(domain.read_text().splitlines()) < plan.train_prompts:
+        # the demo's own traffic, written as a user's prompt file would be (deterministic)
+        records = generate(near_evaluation(), plan.train_prompts, spec_path=domain_path())
+        atomic_write_bytes(domain, "".join(json.dumps(r) + "\n" for r in records).encode())
+
     def regenerate() -> None:
-        convs = load_prompts("builtin", limit=plan.train_prompts)
+        convs = load_prompts(domain, limit=plan.train_prompts)
         s = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=plan.answer_tokens),
                              batch_size=16 if cpu else 256)
         log.info("%d answers written (%d already there), %.1f tokens/s", s.written, s.already_done, s.tokens_per_s)

@@ -28,6 +28,11 @@ def templates_path() -> Path:
     return Path(str(resources.files("dflashkit") / "assets" / "train_prompts.yaml"))
 
 
+def domain_path() -> Path:
+    """The demo's domain: structured-output requests that the built-in set does not cover."""
+    return Path(str(resources.files("dflashkit") / "assets" / "demo_domain.yaml"))
+
+
 def fill(template: str, vocab: dict[str, list[str]], values: dict[str, str], r: random.Random) -> str:
     """Replace every slot; `values` keeps one value per slot name across a prompt's turns."""
     def one(m: re.Match) -> str:
@@ -39,17 +44,20 @@ def fill(template: str, vocab: dict[str, list[str]], values: dict[str, str], r: 
             else:
                 pool = vocab.get(key) or vocab.get(base)
                 if pool is None:
-                    raise KeyError(f"{templates_path()}: template slot {{{key}}} has no vocabulary {base!r}")
+                    raise KeyError(f"template slot {{{key}}} has no vocabulary {base!r}")
                 taken = {values.get(base + s) for s in ("", "2", "3")}
                 values[key] = r.choice([v for v in pool if v not in taken] or pool)
         return values[key]
     return SLOT.sub(one, template)
 
 
-def generate(near_eval: Callable[[str], bool], count: int = COUNT, seed: int = SEED) -> list[dict]:
+def generate(near_eval: Callable[[str], bool], count: int = COUNT, seed: int = SEED,
+             spec_path: Path | None = None) -> list[dict]:
     """`count` records {"id": "<category>-NNNNN", "messages", "category"}, categories interleaved;
-    none for which `near_eval(text)` is true."""
-    spec = yaml.safe_load(templates_path().read_text(encoding="utf-8"))
+    none for which `near_eval(text)` is true. spec_path: templates and vocabularies (default
+    the built-in set's, `templates_path()`)."""
+    spec_path = spec_path or templates_path()
+    spec = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
     vocab, weights, categories = spec["vocab"], spec["weights"], spec["categories"]
     r = random.Random(seed)
     names = list(categories)
@@ -62,12 +70,15 @@ def generate(near_eval: Callable[[str], bool], count: int = COUNT, seed: int = S
         while len(made[c]) < quota[c]:
             tries += 1
             if tries > 50 * quota[c]:
-                raise RuntimeError(f"{templates_path()}: category {c!r} ran out of distinct prompts after "
+                raise RuntimeError(f"{spec_path}: category {c!r} ran out of distinct prompts after "
                                    f"{len(made[c])}; add templates or vocabulary")
             template = r.choice(categories[c])
             turns = template if isinstance(template, list) else [template]
             values: dict[str, str] = {}
-            texts = [fill(t, vocab, values, r) for t in turns]
+            try:
+                texts = [fill(t, vocab, values, r) for t in turns]
+            except KeyError as e:
+                raise KeyError(f"{spec_path}: {e.args[0]}") from None
             key = "\n".join(texts)
             if key in seen or near_eval(key):
                 continue
