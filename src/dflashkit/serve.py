@@ -84,8 +84,8 @@ class Admission:
     """When queued requests join a running batch (continuous batching, `Engine`).
 
     A join stops the running rows for a prefill of the joining prompts (and their drafter
-    context pass) outside the CUDA graphs, which costs about as much for one prompt as for a
-    group: joining at every round that has a free row makes the running rows mostly wait. So
+    context pass) outside the CUDA graphs, mostly kernel launches, about as many for one prompt
+    as for a group: joining at every round that has a free row makes the running rows mostly wait. So
     requests join in groups, before a round when someone waits and a row is free and
       * no row runs, or
       * at least `min_free` rows are free, or
@@ -705,8 +705,8 @@ def run(args: argparse.Namespace) -> int:
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
     generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget)
     app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch,
-                    max_queue=args.max_queue, api_key=args.api_key or None, max_body_bytes=int(args.max_body_mb * 2**20),
-                    admission=admission)
+                    max_queue=args.max_queue, api_key=args.api_key or None,
+                    max_body_bytes=int(args.max_body_mb * 2**20), admission=admission)
     # Bind first, then announce: with --port 0 the caller learns the port, and connections made
     # before uvicorn starts accepting wait in the backlog instead of being refused.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
