@@ -10,12 +10,16 @@ p99, and failed requests.
 
 Servers: `--url` points at running ones; `--pythonpath DIR` launches `dflashkit serve` from the
 checkout whose package lies in DIR (e.g. an older commit's `src`, unpacked as below), `--server-cmd CMD`
-launches a command line; launched servers get `--port 0 SERVER_ARGS` and run one after another,
-so several servers compare side by side in one run with the same arguments and load:
+launches a command line; launched servers get `--port 0 SERVER_ARGS EXTRA_ARGS` and run one after
+another, so several servers compare side by side in one run with the same load. `--extra-args`,
+given once per launched server (in the order --pythonpath, then --server-cmd), adds arguments to
+that server alone (and to its label), e.g. the old worker, joins at every round and grouped joins:
 
     mkdir -p /tmp/old && git archive 8f29bb1 src | tar -x -C /tmp/old
     python benchmarks/bench_serve.py --pythonpath /tmp/old/src --pythonpath src --clients 8 --max-tokens 32 \\
         --server-args "--max-batch 8 target.device=cpu"
+    python benchmarks/bench_serve.py --pythonpath /tmp/old/src --pythonpath src --pythonpath src \\
+        --server-args "--max-batch 8 target.device=cpu" --extra-args= --extra-args="--join-min-free 1" --extra-args=
     python benchmarks/bench_serve.py --url http://127.0.0.1:8000/v1 --clients 64 --json runs/serve.json
 """
 
@@ -119,6 +123,9 @@ def main() -> None:
                    "'listening on URL'); repeatable")
     p.add_argument("--server-args", default="--max-batch 64",
                    help="arguments of every launched server (default: %(default)s)")
+    p.add_argument("--extra-args", action="append", default=[], metavar="ARGS",
+                   help="more arguments for one launched server, after --server-args: give it once per launched "
+                   "server, in order (--pythonpath ones, then --server-cmd ones); write --extra-args=ARGS")
     p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
     p.add_argument("--requests", type=int, default=None, help="requests in all (default: 4 per client)")
     p.add_argument("--duration", type=float, default=600.0, help="stop sending new requests after S seconds")
@@ -133,24 +140,29 @@ def main() -> None:
     requests = args.requests or 4 * args.clients
     prompts = [c.messages for c in load_suite(args.suite)]
     serve = [sys.executable, "-m", "dflashkit.cli", "serve"]
-    servers: list[tuple[str, list[str] | None, dict[str, str]]] = [(u, None, {}) for u in args.url]
     inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []  # e.g. wheels installed aside
-    servers += [(f"PYTHONPATH={d}", serve, {"PYTHONPATH": os.pathsep.join([os.path.abspath(d), *inherited])})
+    launched = [(f"PYTHONPATH={d}", serve, {"PYTHONPATH": os.pathsep.join([os.path.abspath(d), *inherited])})
                 for d in args.pythonpath]
-    servers += [(c, shlex.split(c), {}) for c in args.server_cmd]
-    if not servers:
-        servers = [("this checkout", serve, {})]
+    launched += [(c, shlex.split(c), {}) for c in args.server_cmd]
+    if not launched and not args.url:
+        launched = [("this checkout", serve, {})]
+    if args.extra_args and len(args.extra_args) != len(launched):
+        raise SystemExit(f"--extra-args: {len(args.extra_args)} given for {len(launched)} launched servers "
+                         "(give it once per launched server, or not at all)")
+    extra = args.extra_args or [""] * len(launched)
+    servers: list[tuple[str, list[str] | None, dict[str, str], str]] = [(u, None, {}, "") for u in args.url]
+    servers += [(f"{label} {more}".strip(), cmd, env, more) for (label, cmd, env), more in zip(launched, extra)]
     rows = []
-    for label, cmd, env in servers:
+    for label, cmd, env, more in servers:
         if cmd is None:
             result = asyncio.run(load(label, args.clients, requests, args.duration, args.max_tokens, prompts, args.seed))
         else:
-            with subprocess_server(cmd + ["--port", "0", *shlex.split(args.server_args)], {**os.environ, **env},
-                                   args.start_timeout) as url:
+            argv = [*cmd, "--port", "0", *shlex.split(args.server_args), *shlex.split(more)]
+            with subprocess_server(argv, {**os.environ, **env}, args.start_timeout) as url:
                 result = asyncio.run(load(url, args.clients, requests, args.duration, args.max_tokens, prompts,
                                           args.seed))
         rows.append({"server": label, "clients": args.clients, "max_tokens": args.max_tokens,
-                     "server_args": args.server_args if cmd else None, **result})
+                     "server_args": f"{args.server_args} {more}".strip() if cmd else None, **result})
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.clients} clients, {requests} requests, max_tokens up to {args.max_tokens}, suite {args.suite}\n")
     print(table(rows))

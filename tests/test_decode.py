@@ -161,6 +161,19 @@ def test_greedy_identical_tiny(tiny_target, engine):
             assert g.tokens == refs[i], (method, budget, i)
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_ragged_prompts_prefilled_in_chunks(tiny_target, engine, monkeypatch):
+    """Ragged prompts longer than a prefill chunk (8 tokens here), prefilled together: each row's
+    first token comes from the chunk that holds its last prompt token, and decoding is the
+    target's own."""
+    from dflashkit.decode import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 8)
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = ragged_prompts(1)  # 20, 7, 33, 12 tokens: last tokens in chunks 2, 0, 4, 1
+    for g, p in zip(generate_batch(ENGINES[engine](tiny_target, drafter), prompts, max_new_tokens=10), prompts):
+        assert g.tokens == greedy_reference(tiny_target, p, 10)
+
 def sliding_targets() -> dict[str, Target]:
     """Sliding windows named per layer (Qwen3 `layer_types`) and a window without layer types
     (Mistral-7B-v0.1 / Phi-3-mini-4k style: every layer slides)."""

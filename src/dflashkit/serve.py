@@ -11,7 +11,9 @@ drafter, DFlash or DDTree with one.
 One worker thread owns the model and runs requests in arrival order (`Engine`): concurrent
 requests queue instead of racing on the model and its KV cache. With `--max-batch N` it decodes
 up to N requests as one batch that requests join and leave between rounds (continuous
-batching): a request waits only while N others are running.
+batching): a request waits only while N others are running, or, as joins are cheaper in groups,
+until enough rows are free or it has waited long enough (`Admission`, `--join-min-free`,
+`--join-max-wait-ms`).
 
 Running for days: a request whose client disconnected is cancelled (streaming or not), so the
 engine moves on; at most `--max-queue` requests wait (503 beyond, with Retry-After); request bodies
@@ -37,6 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, closing, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +61,9 @@ log = logging.getLogger(__name__)
 
 
 class _Job:
-    def __init__(self, input_ids: list[int], params: dict[str, Any]) -> None:
+    def __init__(self, input_ids: list[int], params: dict[str, Any], queued_at: float) -> None:
         self.input_ids, self.params = input_ids, params
+        self.queued_at = queued_at  # `Engine.clock` at submission
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue = asyncio.Queue()  # GenerationChunk | Exception | None (end)
         self.cancelled = threading.Event()
@@ -75,20 +79,54 @@ class QueueFull(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Admission:
+    """When queued requests join a running batch (continuous batching, `Engine`).
+
+    A join stops the running rows for a prefill of the joining prompts (and their drafter
+    context pass) outside the CUDA graphs, mostly kernel launches, about as many for one prompt
+    as for a group: joining at every round that has a free row makes the running rows mostly wait. So
+    requests join in groups, before a round when someone waits and a row is free and
+      * no row runs, or
+      * at least `min_free` rows are free, or
+      * the oldest waiting request has waited `max_wait_s` seconds (a bound on the wait it adds
+        to a request's time to first token).
+    Everyone then waiting joins at once (as many as rows are free), prefilled in one batched
+    pass. `Admission()` (min_free 1) joins at every round that has a free row."""
+
+    min_free: int = 1
+    max_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.min_free < 1 or not self.max_wait_s >= 0:
+            raise ValueError(f"Admission: min_free must be >= 1 and max_wait_s >= 0, got {self}")
+
+    def due(self, running: int, max_batch: int, waited_s: float | None) -> bool:
+        """Whether waiting requests join before the next round: `running` rows of `max_batch`
+        run, the oldest waiting request has waited `waited_s` seconds (None: nobody waits)."""
+        free = max_batch - running
+        if waited_s is None or free < 1:
+            return False
+        return running == 0 or free >= self.min_free or waited_s >= self.max_wait_s
+
+
 class Engine:
     """Runs generation requests in arrival order on a worker thread that owns the model. A
     `BatchedGenerator` decodes a running batch that requests join between rounds (continuous
-    batching), up to `max_batch` rows at once; a finished or cancelled request leaves it at once.
-    Another generator runs one request at a time. At most `max_queue` requests wait (`submit`
-    raises `QueueFull` beyond); `close` cancels every job."""
+    batching), up to `max_batch` rows at once, when `admission` says so; a finished or cancelled
+    request leaves it at once. Another generator runs one request at a time. At most `max_queue`
+    requests wait (`submit` raises `QueueFull` beyond); `close` cancels every job. `clock`
+    (seconds) times the waits for `admission`."""
 
-    def __init__(self, generator: Generator, max_batch: int = 1, max_queue: int = 0) -> None:
+    def __init__(self, generator: Generator, max_batch: int = 1, max_queue: int = 0,
+                 admission: Admission = Admission(), clock: Callable[[], float] = time.monotonic) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batched = hasattr(generator, "generate_batch")
         if max_batch > 1 and not self.batched:
             raise ValueError(f"{type(generator).__name__} decodes one request at a time; max_batch must be 1")
         self.generator, self.max_batch, self.max_queue = generator, max_batch, max_queue
+        self.admission, self.clock = admission, clock
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.running: dict[int, _Job] = {}  # being generated now, by their index in the batch's stream
         # cancelled: ended before the last token (client gone, stop string, shutdown, error)
@@ -102,7 +140,7 @@ class Engine:
             raise QueueFull("the server is shutting down")
         if self.max_queue and self.jobs.qsize() >= self.max_queue:
             raise QueueFull(f"{self.jobs.qsize()} requests are already waiting (serve --max-queue {self.max_queue})")
-        job = _Job(input_ids, params)
+        job = _Job(input_ids, params, self.clock())
         self.jobs.put(job)
         return job
 
@@ -143,6 +181,12 @@ class Engine:
             return False
         return True
 
+    def _waited(self) -> float | None:
+        """Seconds the oldest queued job has waited (None: none waits)."""
+        with self.jobs.mutex:  # a look at the head of the queue, which stays there
+            head = self.jobs.queue[0] if self.jobs.queue else None
+        return None if head is None else self.clock() - head.queued_at
+
     def _take(self, n: int) -> list[_Job]:
         """Up to n queued jobs that still want an answer, without waiting."""
         jobs: list[_Job] = []
@@ -160,7 +204,8 @@ class Engine:
 
     def _run_batch(self, first: _Job) -> None:
         """One stream of the round loop, from `first` and whatever else is queued, until no row
-        runs and nobody waits; before every round, queued jobs take the rows left free."""
+        runs and nobody waits; before a round, queued jobs take the rows left free when
+        `admission` says so."""
         admitted = 0  # jobs in this stream so far: the next one's index
 
         def add(jobs: list[_Job]) -> list[tuple[list[int], dict[str, Any]]]:
@@ -181,12 +226,16 @@ class Engine:
                 return True
             return False
 
+        def admit(rows: int) -> list[tuple[list[int], dict[str, Any]]]:
+            if not self.admission.due(rows, self.max_batch, self._waited()):
+                return []
+            return add(self._take(self.max_batch - rows))
+
         jobs = ([first] if self._wanted(first) else []) + self._take(self.max_batch - 1)
         if not jobs:
             return
         try:
-            steps = self.generator.generate_batch(add(jobs), cancelled=cancelled,
-                                                  admit=lambda rows: add(self._take(self.max_batch - rows)))
+            steps = self.generator.generate_batch(add(jobs), cancelled=cancelled, admit=admit)
             with closing(steps):
                 for step in steps:
                     for i, chunk in step:
@@ -339,11 +388,13 @@ async def _cancel_on_disconnect(request: Any, job: _Job) -> None:
 
 
 def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0,
-              max_batch: int = 1, max_queue: int = 0, api_key: str | None = None, max_body_bytes: int = 8 << 20):
+              max_batch: int = 1, max_queue: int = 0, api_key: str | None = None, max_body_bytes: int = 8 << 20,
+              admission: Admission = Admission()):
     """The FastAPI app. `fail_every=N` answers every N-th generation request with HTTP 500: a
     fault injector for testing clients' retries (`dflashkit serve --fail-every N`). `max_batch`:
     requests decoded at once (needs a `BatchedGenerator` when > 1). `max_queue`: requests that may
-    wait (0 = no limit; beyond, 503). `api_key`: required as a bearer token. `max_body_bytes`: 413 beyond."""
+    wait (0 = no limit; beyond, 503). `api_key`: required as a bearer token. `max_body_bytes`: 413
+    beyond. `admission`: when waiting requests join a running batch."""
     try:
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
@@ -359,7 +410,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
     name = model_name or (Path(target.name).name if Path(target.name).exists() else target.name)
     stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 31)
-    engine = Engine(generator, max_batch, max_queue)
+    engine = Engine(generator, max_batch, max_queue, admission)
     counters = {"requests": 0, "injected_failures": 0}
     # Tokenisation (a 1 MB prompt takes seconds) runs here, off the event loop; one thread, as a
     # fast tokenizer must not be used by two threads at once.
@@ -601,6 +652,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")
+    p.add_argument("--join-min-free", type=int, metavar="N",
+                   help="with --max-batch: waiting requests join the running batch together once N rows are free "
+                   "(or no row runs, or --join-max-wait-ms has passed): a join pauses the running rows for a "
+                   "prefill that costs about as much for one prompt as for many (default: a quarter of "
+                   "--max-batch, at least 1; 1 = join at every round that has a free row)")
+    p.add_argument("--join-max-wait-ms", type=float, default=100.0, metavar="MS",
+                   help="with --max-batch: a request that has waited MS milliseconds joins at the next round "
+                   "whatever --join-min-free says (bounds the wait it adds to time to first token; default 100)")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
                    help="decoding engine: auto = static with CUDA graphs on a GPU where supported, else Transformers")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
@@ -611,6 +670,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut")
     add_config_options(p)
+
+
+def admission_from_args(args: argparse.Namespace) -> Admission:
+    """--join-min-free (default: max(1, --max-batch // 4)) and --join-max-wait-ms."""
+    min_free = max(1, args.max_batch // 4) if args.join_min_free is None else args.join_min_free
+    if min_free < 1 or not args.join_max_wait_ms >= 0:
+        raise ValueError(f"--join-min-free needs N >= 1 and --join-max-wait-ms MS >= 0, got {min_free} and "
+                         f"{args.join_max_wait_ms}")
+    return Admission(min_free, args.join_max_wait_ms / 1000)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -628,6 +696,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch needs N >= 1, got {args.max_batch}")
+    admission = admission_from_args(args)
     drafter = None
     if args.drafter:
         from dflashkit.checkpoint import load_drafter
@@ -636,7 +705,8 @@ def run(args: argparse.Namespace) -> int:
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
     generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget)
     app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch,
-                    max_queue=args.max_queue, api_key=args.api_key or None, max_body_bytes=int(args.max_body_mb * 2**20))
+                    max_queue=args.max_queue, api_key=args.api_key or None,
+                    max_body_bytes=int(args.max_body_mb * 2**20), admission=admission)
     # Bind first, then announce: with --port 0 the caller learns the port, and connections made
     # before uvicorn starts accepting wait in the backlog instead of being refused.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -156,12 +156,13 @@ class Engine:
         dev, b = self.target.device, len(prompts)
         lens = [len(p) for p in prompts]
         T = max(lens)
-        ids = torch.zeros(b, T, dtype=torch.long, device=dev)  # right padding: beyond each row's length
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = p.to(dev)
+        # Right padding beyond each row's length; one transfer for every row (prompts joining a
+        # batch are prefilled together: no per-row copies or host syncs).
+        ids = torch.nn.utils.rnn.pad_sequence(list(prompts), batch_first=True).to(dev, torch.long)
+        ends = torch.tensor(lens, device=dev) - 1  # each row's last prompt token
         self.cache.start(b, dev)
         self.cache.reserve(max(capacity, T))
-        last, feats = [None] * b, []
+        last, feats = None, []
         for off in range(0, T, PREFILL_CHUNK):
             q = min(PREFILL_CHUNK, T - off)
             depths = torch.arange(q, device=dev).expand(b, -1)
@@ -170,15 +171,17 @@ class Engine:
             hidden, f = self.run(self.cache, ids[:, off:off + q], depths, causal, max(self.cache.lengths) + q,
                                  torch.tensor(counts, device=dev))
             feats.append(f)
-            for i, n in enumerate(lens):
-                if off <= n - 1 < off + q:
-                    last[i] = hidden[i, n - 1 - off]
+            # The hidden state at each row's last token, from the chunk that holds it (one gather
+            # for every row, no per-row indexing).
+            at = (ends - off).clamp(0, q - 1)[:, None, None].expand(-1, 1, hidden.shape[2])
+            here = hidden.gather(1, at)[:, 0]
+            last = here if last is None else torch.where(((ends >= off) & (ends < off + q))[:, None], here, last)
             self.cache.advance(counts)
         self.pending, self.pending_counts = torch.cat(feats, 1), lens
         if self.dcache is not None:
             self.dcache.start(b, dev)
             self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
-        return self.target.lm_head(torch.stack(last))
+        return self.target.lm_head(last)
 
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
         h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, ctx_start, start, n)
