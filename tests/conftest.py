@@ -19,11 +19,16 @@ def make_tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 128, se
     return Target(LlamaForCausalLM(cfg).float(), None, name="tiny-llama")
 
 
-def make_tiny_hybrid(vocab: int = 128, seed: int = 0, layers: str = "LALLAL", moe: bool = False) -> Target:
+def make_tiny_hybrid(vocab: int = 128, seed: int = 0, layers: str = "LALLAL", moe: bool = False,
+                     qwen3_next: bool = False) -> Target:
     """A random Qwen3.5-style hybrid: Gated DeltaNet (L) and gated full attention (A) layers,
     partial rotary, more value heads than key heads; moe: Qwen3.5-MoE's MLP (8 routed experts, 2
-    per token, and a gated shared expert) in every layer."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    per token, and a gated shared expert) in every layer. qwen3_next: a Qwen3-Next (fused, per
+    key-head grouped linear projections, plain partial rotary; experts in every layer but the third,
+    a dense MLP by `mlp_only_layers`; key and value head dims differ; random norm weights, so that
+    the (1 + w) conventions are exercised)."""
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                              Qwen3NextConfig, Qwen3NextForCausalLM)
 
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=len(layers), num_attention_heads=4,
@@ -31,9 +36,18 @@ def make_tiny_hybrid(vocab: int = 128, seed: int = 0, layers: str = "LALLAL", mo
               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
               tie_word_embeddings=False, layer_types=["linear_attention" if c == "L" else "full_attention" for c in layers],
               bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    experts = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+    if qwen3_next:
+        cfg = Qwen3NextConfig(**{**kw, "linear_value_head_dim": 12}, intermediate_size=128, mlp_only_layers=[2],
+                              **experts)
+        model = Qwen3NextForCausalLM(cfg).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+        return Target(model, None, name="tiny-qwen3-next")
     if moe:
-        cfg = Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-                                   num_experts_per_tok=2, **kw)
+        cfg = Qwen3_5MoeTextConfig(**experts, **kw)
         return Target(Qwen3_5MoeForCausalLM(cfg).float().eval(), None, name="tiny-qwen3.5-moe")
     return Target(Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=128, **kw)).float().eval(), None,
                   name="tiny-qwen3.5")

@@ -31,12 +31,13 @@ def one_thread():
 
 
 def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: int = 0, context: int = 1024,
-                     hybrid: bool = False, moe: bool = False) -> Path:
+                     hybrid: bool = False, moe: bool = False, qwen3_next: bool = False) -> Path:
     """A random Llama (or, hybrid: a Qwen3.5-style model whose layers alternate Gated DeltaNet and
-    full attention; moe: with Qwen3.5-MoE's experts as MLPs) with SmolLM2's vocabulary and
-    tokenizer (chat template included)."""
+    full attention; moe: with Qwen3.5-MoE's experts as MLPs; qwen3_next: a Qwen3-Next of the same
+    layers, experts in all but its first layer) with SmolLM2's vocabulary and tokenizer (chat
+    template included)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
-                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
     from dflashkit.data.chat import load_tokenizer
 
@@ -48,7 +49,12 @@ def save_tiny_target(path: Path, num_layers: int = 4, hidden: int = 32, seed: in
     linear = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                   linear_value_head_dim=8, tie_word_embeddings=True,
                   layer_types=["linear_attention", "full_attention"] * (num_layers // 2))
-    if moe:
+    if qwen3_next:
+        cfg = Qwen3NextConfig(**common, **linear, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+                              shared_expert_intermediate_size=hidden, num_experts=4, num_experts_per_tok=2,
+                              mlp_only_layers=[0])
+        Qwen3NextForCausalLM(cfg).save_pretrained(path)
+    elif moe:
         cfg = Qwen3_5MoeTextConfig(**common, **linear, moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
                                    num_experts=4, num_experts_per_tok=2)
         Qwen3_5MoeForCausalLM(cfg).save_pretrained(path)

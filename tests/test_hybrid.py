@@ -1,7 +1,7 @@
-"""Hybrid targets (Qwen3.5 / Qwen3.6 style: Gated DeltaNet layers beside gated full attention):
+"""Hybrid targets (Qwen3.5 / Qwen3.6 / Qwen3-Next: Gated DeltaNet layers beside gated full attention):
 the delta rule over a draft tree, extraction, rollback after any commits, and lossless decoding
-(greedy identical to the target's own generation, sampling by chi-square) on a tiny random
-hybrid in fp32."""
+(greedy identical to the target's own generation, sampling by chi-square) on tiny random
+hybrids in fp32."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
 def hybrid(request):
-    """Qwen3.5-style (a gated MLP per layer) and Qwen3.5-MoE-style (routed experts + shared expert)."""
-    return make_tiny_hybrid(moe=request.param == "moe")
+    """Qwen3.5-style (a gated MLP per layer), Qwen3.5-MoE-style (routed experts + shared expert) and
+    Qwen3-Next (fused linear projections, experts and one dense layer)."""
+    return make_tiny_hybrid(moe=request.param == "moe", qwen3_next=request.param == "next")
 
 
 def _path_closure(parents: list[int]) -> torch.Tensor:
@@ -78,6 +79,26 @@ def test_extraction_equals_plain_forward(hybrid):
         torch.testing.assert_close(online_features(hybrid, p[None], taps)[0], want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(runner_features(hybrid, p, taps), want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(batch.pending[i, :len(p)], want, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_next_projections_map_onto_qwen3_5_layout():
+    """Qwen3-Next's fused in_proj_qkvz / in_proj_ba (rows grouped per key head) become Qwen3.5's
+    [qkv; z; b; a] once per module (a second engine reuses the copy), equal to what Transformers'
+    `fix_query_key_value_ordering` derives; fused-row and separate projections prefill alike."""
+    target = make_tiny_hybrid(qwen3_next=True)
+    la = target.layers[0].linear_attn
+    x = torch.randn(2, 5, target.hidden_size)
+    q, k, v, z, b, a = la.fix_query_key_value_ordering(la.in_proj_qkvz(x), la.in_proj_ba(x))
+    engines = [static_engine(target, None, fuse=fuse, cuda_graphs=False, layer_ids=[0, 3, 5]) for fuse in (False, True)]
+    m = engines[0].run.tw[0].mix
+    want = torch.cat([t.reshape(2, 5, -1) for t in (q, k, v)], dim=-1)
+    for got, ref in ((m.qkv, want), (m.z, z.reshape(2, 5, -1)), (m.b, b), (m.a, a)):
+        torch.testing.assert_close(torch.nn.functional.linear(x, got), ref)
+    assert engines[1].run.tw[0].mix.proj.data_ptr() == m.qkv.data_ptr()  # one copy for both engines
+    prompts = [torch.randint(3, 120, (n,)) for n in (70, 9)]
+    for eng in engines:
+        eng.prefill(prompts, capacity=8)
+    torch.testing.assert_close(engines[1].pending, engines[0].pending, atol=1e-5, rtol=1e-5)
 
 
 def _prefilled(hybrid, seed: int):
@@ -228,15 +249,15 @@ def test_transformers_engine_refuses_hybrids(hybrid):
         Engine(hybrid)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_every_stage_on_a_hybrid_target(tmp_path, capsys, moe):
+@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
+def test_every_stage_on_a_hybrid_target(tmp_path, capsys, kind):
     """regenerate -> tokenize -> extract -> train (online and from the feature cache) -> eval ->
-    generate -> export -> doctor -> check-features -> serve, on a tiny Qwen3.5-style hybrid (and
-    its mixture-of-experts variant) saved with SmolLM2's tokenizer."""
+    generate -> export -> doctor -> check-features -> serve, on a tiny Qwen3.5-style hybrid (its
+    mixture-of-experts variant, a Qwen3-Next) saved with SmolLM2's tokenizer."""
     from datahelpers import live_server, save_tiny_target
     from dflashkit.cli import main
 
-    model = save_tiny_target(tmp_path / "hybrid", hybrid=True, moe=moe)
+    model = save_tiny_target(tmp_path / "hybrid", hybrid=True, moe=kind == "moe", qwen3_next=kind == "next")
     cpu = [f"target.path={model}", "target.device=cpu"]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": q}) + "\n" for i, q in
@@ -257,8 +278,9 @@ def test_every_stage_on_a_hybrid_target(tmp_path, capsys, moe):
     assert main(["train", f"train.output_dir={tmp_path / 'on'}", *train]) == 0
     assert main(["train", f"train.output_dir={tmp_path / 'off'}", f"data.features={tmp_path / 'f'}", *train]) == 0
     drafter = tmp_path / "on" / "final"
-    # the MLP width: the target's, or 3x hidden for experts (no dense width in the config)
-    assert json.loads((drafter / "config.json").read_text())["intermediate_size"] == (96 if moe else 64)
+    # the MLP width: the target's, or 3x hidden for Qwen3.5-MoE (no dense width in its config; Qwen3-Next's
+    # names its mlp_only_layers' width)
+    assert json.loads((drafter / "config.json").read_text())["intermediate_size"] == (96 if kind == "moe" else 64)
     assert main(["train", f"train.output_dir={tmp_path / 'wide'}", "drafter.intermediate_size=40", *train]) == 0
     assert json.loads((tmp_path / "wide" / "final" / "config.json").read_text())["intermediate_size"] == 40
     capsys.readouterr()
@@ -274,7 +296,7 @@ def test_every_stage_on_a_hybrid_target(tmp_path, capsys, moe):
     assert main(["doctor", str(drafter), *cpu]) == 0
     out = capsys.readouterr().out
     assert "2 linear attention (Gated DeltaNet)" in out and "static runner" in out and "kernels" in out, out
-    assert ("mixture of experts" in out) == moe, out
+    assert ("mixture of experts" in out) == (kind != "dense"), out
     assert main(["check-features", "target:runner=static", "target", "--input", str(tmp_path / "t.jsonl"),
                  "--min-cosine", "0.99999", "drafter.num_taps=2", *cpu]) == 0
     with live_server("--drafter", str(drafter), *cpu) as url:

@@ -348,7 +348,7 @@ def check_layers(target: Any) -> list[Finding]:
         return found + [Finding(OK, "decoding", f"eval, generate and serve run {engine}")]
     if why is not None:
         return found + [Finding(ERROR, "decoding", f"{why}: linear-attention layers must be rolled back after each "
-                                                    "draft, which only the static runner does for Qwen3.5-style layers; "
+                                                    "draft, which only the static runner does (Qwen3.5 / Qwen3.6 / Qwen3-Next layers); "
                                                     "eval, generate and serve refuse this target")]
     found.append(Finding(OK, "decoding", "eval, generate and serve run the static runner: the Gated DeltaNet state of "
                                          "each draft tree in one block, rolled back to the accepted leaf (PyTorch, any device)"))

@@ -337,12 +337,13 @@ def drafter_config_for_target(
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
     ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(L, num_taps)
     if layer_types is None and "linear_attention" in (getattr(tc, "layer_types", None) or []) and num_layers > 1:
-        # Hybrid targets (Qwen3.5 / 3.6): the published drafters' shape, sliding windows of 2048 but one full layer.
+        # Hybrid targets (Qwen3.5 / 3.6, Qwen3-Next): the published drafters' shape, sliding windows of 2048 but one full layer.
         layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
         sliding_window = sliding_window or 2048
     return DrafterConfig(
         hidden_size=tc.hidden_size,
-        # A mixture-of-experts target has no dense MLP width: 3x hidden, the ratio of Qwen3's dense models.
+        # A mixture-of-experts target has no dense MLP width: 3x hidden, the ratio of Qwen3's dense models
+        # (Qwen3-Next's config names one, the width of its `mlp_only_layers`: that one is taken).
         intermediate_size=intermediate_size or getattr(tc, "intermediate_size", None) or 3 * tc.hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,

@@ -14,8 +14,9 @@ the target's own generation. Optional torch.compile fuses each layer's elementwi
 q/k/v and gate/up weights can be fused row-wise. Supported targets: Llama / Qwen2 / Qwen3-style
 decoders (full attention, or sliding windows named per layer), Gemma 3 (its norms of (1 + w), the
 norms after attention and MLP, GELU, one RoPE per layer type, query scaling by
-`query_pre_attn_scalar`) and the Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet layers through
-`decode/delta.py`; attention with an output gate, partial rotary, norms of (1 + w)).
+`query_pre_attn_scalar`) and the Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids (Gated DeltaNet layers
+through `decode/delta.py`; attention with an output gate, partial rotary, norms of (1 + w)).
+Qwen3-Next's fused linear-layer projections are mapped once onto Qwen3.5's layout (`_split_qkvz`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, apply_rope
 from dflashkit.target import Target
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 GEMMA = ("gemma3_text",)
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # linear-attention layers beside full attention
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # linear-attention layers beside full attention
+MROPE = ("qwen3_5_text", "qwen3_5_moe_text")  # rotary takes positions per multimodal axis (Qwen3-Next: plain partial)
+ZERO_CENTRED = ("Qwen3_5", "Qwen3Next")  # norm classes of (1 + w) in fp32, gated attention (class name prefixes)
 SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
 GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
 
 
 def sparse_mlp(layer: Any) -> bool:
-    """A mixture-of-experts MLP (Qwen3.5-MoE: routed experts + a gated shared expert). It runs as
+    """A mixture-of-experts MLP (Qwen3.5-MoE, Qwen3-Next: routed experts + a gated shared expert;
+    Qwen3-Next's `mlp_only_layers` / `decoder_sparse_step` may leave some layers dense). It runs as
     Transformers' own module: its routing has data-dependent shapes, so no CUDA graph captures it."""
     return not hasattr(layer.mlp, "gate_proj")
 
@@ -131,7 +135,7 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     extra: dict[str, Any] = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
                                  post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True,
                                  gelu=True) if gemma else {}
-    if type(layer.input_layernorm).__name__.startswith("Qwen3_5"):
+    if type(layer.input_layernorm).__name__.startswith(ZERO_CENTRED):
         extra = dict(offset=True, gated=True)
     return LayerWeights(w[0], w[1], b[1], w[2], b[2], w[3], b[3], w[4], w[5], w[6], b[6], w[7], w[8], b[8], w[9], b[9],
                         w[10], b[10], qkv=qkv_w, gate_up=gate_up, **extra)
@@ -139,16 +143,44 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
 
 def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
     la, (gp, up, dp) = layer.linear_attn, _mlp_projections(layer)
-    d = {name: getattr(la, name).weight.detach() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
-    mix = LinearMix(d["in_proj_qkv"], d["in_proj_z"], d["in_proj_b"], d["in_proj_a"],
-                    _fuse_rows([la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]) if fuse else None,
-                    la.conv1d.weight.detach()[:, 0], None if la.conv1d.bias is None else la.conv1d.bias.detach(),
+    if hasattr(la, "in_proj_qkvz"):  # Qwen3-Next
+        proj = _split_qkvz(la)
+        rows = [la.key_dim * 2 + la.value_dim, la.value_dim, la.num_v_heads, la.num_v_heads]
+        qkv_w, z, b, a = proj.split(rows)
+        proj = proj if fuse else None
+    else:
+        mods = [la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]
+        qkv_w, z, b, a = (mod.weight.detach() for mod in mods)
+        proj = _fuse_rows(mods) if fuse else None
+    mix = LinearMix(qkv_w, z, b, a, proj, la.conv1d.weight.detach()[:, 0],
+                    None if la.conv1d.bias is None else la.conv1d.bias.detach(),
                     la.dt_bias.detach(), la.A_log.detach(), la.norm.weight.detach())
     gate_up = _fuse_rows([gp, up]) if fuse and gp is not None else None
     gate, up_w, down = (None if mod is None else mod.weight.detach() for mod in (gp, up, dp))
     return LayerWeights(layer.input_layernorm.weight.detach(), None, None, None, None, None, None, None, None,
                         la.out_proj.weight.detach(), None, layer.post_attention_layernorm.weight.detach(),
                         gate, None, up_w, None, down, None, gate_up=gate_up, offset=True, mix=mix)
+
+
+@torch.no_grad()
+def _split_qkvz(la: nn.Module) -> Tensor:
+    """Qwen3-Next's fused projections in Qwen3.5's layout, one [qkv; z; b; a] tensor. in_proj_qkvz's
+    rows are grouped per key head, [q (dk); k (dk); v (r dv); z (r dv)], and in_proj_ba's as
+    [b (r); a (r)], r = value heads per key head (Transformers' `fix_query_key_value_ordering`);
+    value head j of key head g is head g r + j, as in Qwen3.5. A row permutation is no view: this is
+    a copy, made once per module and kept on it (the conv's channels are already [q; k; v])."""
+    wz, wba = la.in_proj_qkvz.weight, la.in_proj_ba.weight
+    key = (wz.data_ptr(), wz._version, wba.data_ptr(), wba._version)
+    cached = la.__dict__.get("_dflashkit_split")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    nk, dk, dv, r = la.num_k_heads, la.head_k_dim, la.head_v_dim, la.num_v_heads // la.num_k_heads
+    H = wz.shape[1]
+    q, k, v, z = wz.detach().view(nk, -1, H).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = wba.detach().view(nk, 2 * r, H).split([r, r], dim=1)
+    proj = torch.cat([x.reshape(-1, H) for x in (q, k, v, z, b, a)])
+    la.__dict__["_dflashkit_split"] = (key, proj)  # not a parameter or buffer: no state_dict entry
+    return proj
 
 
 def _mlp_projections(layer: Any) -> list[nn.Module | None]:
@@ -314,7 +346,7 @@ class StaticRunner:
                             getattr(tc, "linear_key_head_dim", 0))
         self.window = getattr(tc, "sliding_window", None)
         self.gemma = tc.model_type in GEMMA
-        self.mrope = tc.model_type in HYBRID
+        self.mrope = tc.model_type in MROPE
         fuse = target.device.type == "cuda" if fuse is None else fuse  # measured faster on an H200
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
