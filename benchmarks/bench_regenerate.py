@@ -3,7 +3,8 @@ side in one run, on the SmolLM2 testbed (built-in training prompts, greedy).
 
 Every back-end answers the same prompts, longest first, with the target's stop tokens, in batches
 of `--batch` (`refill`: at most `--batch` rows, a finished row refilled at once through
-`decode_stream`'s admissions, as `serve` does; `regenerate` runs whole batches, measured faster); tokens/s = generated tokens / wall time of the whole pass (prefill included), after
+`decode_stream`'s admissions, as `serve` does; `refill-quarter`: refilled in groups once a quarter
+of the rows is free; `regenerate` runs whole batches). tokens/s = generated tokens / wall time of the whole pass (prefill included), after
 an untimed pass over the first batches (graph capture, compilation). "identical" counts answers
 whose tokens are equal between the two back-ends (bf16 near-ties may part).
 
@@ -39,9 +40,10 @@ def engine_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
                                                               max_new_tokens=n, stop_ids=stops)]
 
 
-def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
-    """At most --batch rows, a finished row refilled with the next prompt at once (continuous
-    batching through `decode_stream`'s admissions, as `serve` does)."""
+def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int],
+                min_free: int = 1) -> list[list[int]]:
+    """At most --batch rows, finished rows refilled with the next prompts (continuous batching
+    through `decode_stream`'s admissions, as `serve` does) once `min_free` rows are free."""
     engine = make_engine(target, None, "auto")
     prompts = [p for b in batches for p in b]
     rows = len(batches[0])
@@ -49,6 +51,8 @@ def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
     order = list(range(min(rows, len(prompts))))  # stream index -> prompt index
 
     def admit(running: int) -> list[Request]:
+        if 0 < running and rows - running < min_free:
+            return []
         new = [i for _, i in zip(range(rows - running), queue)]
         order.extend(new)
         return [Request(torch.tensor(prompts[i]), n, stop_ids=frozenset(stops)) for i in new]
@@ -83,7 +87,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--backends", default="engine,refill,transformers",
-                   help="engine: whole batches (what regenerate runs); refill: rows refilled as they finish; transformers")
+                   help="engine: whole batches (what regenerate runs); refill: rows refilled as they finish; "
+                        "refill-quarter: refilled once a quarter of the rows is free; transformers")
     p.add_argument("--json")
     args = p.parse_args()
     target = load_target(None, dtype=args.dtype, device=args.device)
@@ -93,7 +98,8 @@ def main() -> None:
     batches = [ids[i:i + args.batch] for i in range(0, len(ids), args.batch)]
     rows, answers = [], {}
     for name in args.backends.split(","):
-        run = {"engine": engine_pass, "refill": refill_pass, "transformers": transformers_pass}[name]
+        run = {"engine": engine_pass, "refill": refill_pass, "transformers": transformers_pass,
+               "refill-quarter": lambda *a: refill_pass(*a, min_free=max(1, args.batch // 4))}[name]
         run(target, batches[:2], min(16, args.max_new_tokens), stops)  # warm-up, untimed
         sync(target.device)
         t = time.perf_counter()
