@@ -479,15 +479,19 @@ def graphed_commit(cache: KVCache) -> Callable[[Tensor, Tensor, bool, bool], Non
     eager pass, at a new address each time: committed eagerly. Capture warm-ups run the commit,
     so the state it changes is restored (`Graphs(preserve=...)`)."""
     lin = cache.linear
-    graphed = Graphs(lambda plan, lengths, moves, fold, where: cache.apply(plan, lengths, moves, fold),
-                     lambda: (cache.k.data_ptr(), lin and lin.rec.data_ptr()),
-                     lambda: [cache.k, cache.v] + ([lin.conv, lin.rec] if lin is not None else []))
+
+    def graphs(moving: bool) -> Graphs:  # warm-ups restore only what the commit changes (keys/values can be GBs)
+        return Graphs(lambda plan, lengths, moves, fold, where: cache.apply(plan, lengths, moves, fold),
+                      lambda: (cache.k.data_ptr(), lin and lin.rec.data_ptr()),
+                      lambda: ([cache.k, cache.v] if moving else []) + ([lin.conv, lin.rec] if lin is not None else []))
+
+    graphed = {False: graphs(False), True: graphs(True)}
 
     def commit_step(plan: Tensor, lengths: Tensor, moves: bool, fold: bool) -> None:
         if plan.shape[1] - 1 > GRAPH_MAX_TOKENS:
             return cache.apply(plan, lengths, moves, fold)
         where = tuple(t.data_ptr() for t in lin.pending) if fold else None
-        graphed(plan, lengths, moves, fold, where)
+        graphed[moves](plan, lengths, moves, fold, where)
 
     return commit_step
 
