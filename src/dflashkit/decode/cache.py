@@ -250,6 +250,7 @@ class LinearState:
         self.rec.copy_(rec)
         self.pending = None
 
+
 def to_device(values: list, device: torch.device) -> Tensor:
     """Host ints as a long tensor on `device` without waiting for it: on CUDA through pinned
     memory and an asynchronous copy (a copy from pageable memory synchronises the stream)."""

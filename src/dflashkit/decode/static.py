@@ -449,7 +449,8 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
                   layer_ids: list[int] | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
-    target's step and the commit (not with a mixture-of-experts MLP) and the drafter's step. compile_drafter: torch.compile the drafter's whole step
+    target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
+    drafter's step. compile_drafter: torch.compile the drafter's whole step
     (its layers, masks and cache writes) before capture. layer_ids: the taps whose features the
     engine keeps (default: the drafter's)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
