@@ -219,12 +219,25 @@ def test_greedy_identical(hybrid):
 def test_multi_token_acceptance(hybrid, method):
     """Drafts right for the first j slots (DDTree: through runner-up children): τ is exactly j+1
     and the output unchanged, so the states after accepted paths are the right ones."""
-    drafter = make_tiny_drafter(hybrid)
-    B, V, max_new = drafter.config.block_size, hybrid.vocab_size, 40
-    prompts = ragged_prompts(3, (17, 9, 22))
-    seqs = [p[0].tolist() + greedy_reference(hybrid, p, max_new + B) for p in prompts]
+    _check_multi_token_acceptance(hybrid, make_tiny_drafter(hybrid), method, cuda_graphs=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_multi_token_acceptance_with_graphed_commits(method):
+    """The same with the commit in CUDA graphs (`static.graphed_commit`): chains of every length
+    and tree paths through runner-up children are folded and moved as the eager commit does."""
+    target = make_tiny_hybrid()
+    target.model.cuda()
+    _check_multi_token_acceptance(target, make_tiny_drafter(target).cuda(), method, cuda_graphs=True)
+
+
+def _check_multi_token_acceptance(target, drafter, method: str, cuda_graphs: bool) -> None:
+    B, V, max_new = drafter.config.block_size, target.vocab_size, 40
+    prompts = [p.to(target.device) for p in ragged_prompts(3, (17, 9, 22))]
+    seqs = [p[0].tolist() + greedy_reference(target, p, max_new + B) for p in prompts]
     ranks, budget, cap = (1, None, B - 1) if method == "dflash" else (2, 30, 4)
-    eng = Oracle(static_engine(hybrid, drafter), *[oracle_proposals(s, V, B, ranks) for s in seqs])
+    eng = Oracle(static_engine(target, drafter, cuda_graphs=cuda_graphs), *[oracle_proposals(s, V, B, ranks) for s in seqs])
     gens = generate_batch(eng, prompts, max_new_tokens=max_new, method=method, budget=budget, top_k=2)
     for p, s, g in zip(prompts, seqs, gens):
         T = p.shape[1]

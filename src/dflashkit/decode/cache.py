@@ -20,7 +20,7 @@ graph captured for b rows serves every later batch of b rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -98,29 +98,48 @@ class KVCache:
         """Keys and values of slots [0, n) of one layer: [b, kv_heads, n, head_dim] views."""
         return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
 
-    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+    def commit(self, keep: Sequence[Sequence[int]], width: int | None = None,
+               apply: Callable[[Tensor, Tensor, bool, bool], None] | None = None) -> Tensor:
         """Row i keeps its verified nodes `keep[i]` (indices into what was written at slots
-        lengths[i]..., root first; empty: the row commits nothing) and commits them."""
+        lengths[i]..., root first; empty: the row commits nothing) and commits them. width: the
+        verified block's nodes per row (default: the longest path); apply: `apply`, or the CUDA
+        graph of it (`static_engine`). -> the plan on the device [b, width + 1]: each row's kept
+        nodes, then at position j >= len(keep[i]) node j itself (moved onto itself), then its count."""
         counts = [len(p) for p in keep]
-        if not all(is_chain(p) for p in keep):  # a tree path: move the kept nodes together
-            q = max(counts)
-            dev = self.k.device
-            src = torch.tensor([list(p) + list(range(len(p), q)) for p in keep], device=dev)  # [b, q]
-            base = self.lengths_t[:, None]
-            dst = base + torch.arange(q, device=dev)
+        q = max([width or 0, *counts])
+        plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
+        moves, fold = not all(is_chain(p) for p in keep), self.linear is not None and any(counts)
+        if fold and self.linear.pending is None:
+            raise RuntimeError("KVCache.commit: no verification pass to commit (verify, then commit once)")
+        if moves or fold:
+            (apply or self.apply)(plan, self.lengths_t, moves, fold)
+        if self.linear is not None:
+            self.linear.pending = None
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.lengths_t = self.lengths_t + plan[:, -1]
+        return plan
+
+    def apply(self, plan: Tensor, lengths: Tensor, moves: bool, fold: bool) -> None:
+        """The device side of `commit`: shapes fixed per (rows, width), every input a tensor or a
+        flag and no read back to the host, so that a CUDA graph can capture it. moves: some path
+        is not a chain, the kept nodes move to slots lengths.. (all `width` of them, the padding
+        onto itself: one shape per block); fold: the linear layers take their pending block."""
+        if moves:
+            q, dev = plan.shape[1] - 1, plan.device
+            base = lengths[:, None]
+            src, dst = base + plan[:, :q], base + torch.arange(q, device=dev)
             L, b, h, _, d = self.k.shape
             for buf in (self.k, self.v):
-                moved = buf.gather(3, (base + src)[None, :, None, :, None].expand(L, b, h, q, d))
+                moved = buf.gather(3, src[None, :, None, :, None].expand(L, b, h, q, d))  # a copy: then scattered
                 buf.scatter_(3, dst[None, :, None, :, None].expand(L, b, h, q, d), moved)
-        if self.linear is not None:
-            self.linear.commit(keep)
-        self.advance(counts)
+        if fold:
+            self.linear.fold(plan)
 
     def advance(self, counts: Sequence[int]) -> None:
         """Commit the first counts[i] slots written past each row's length (no move needed; linear
         layers are advanced by the pass itself or by `commit`)."""
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.lengths_t = self.lengths_t + torch.tensor(counts, device=self.lengths_t.device)
+        self.lengths_t = self.lengths_t + to_device(list(counts), self.lengths_t.device)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""
@@ -172,7 +191,7 @@ class LinearState:
     """Each linear-attention layer's state per row: the conv window [K-1, C] (the last K-1 inputs,
     in the model's dtype) and the recurrent state [heads, dk, dv] (fp32). Views of the first b rows
     of storages allocated for the most rows seen, like `KVCache`. A verification pass leaves a
-    `delta.Block` in `pending`; `commit` turns it into each row's state after its last kept node.
+    `delta.Block` in `pending`; `fold` turns it into each row's state after its last kept node.
     A prefill's chain, whose tokens are all kept, is folded by the pass itself."""
 
     def __init__(self, layers: int, kernel: int, channels: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> None:
@@ -194,25 +213,22 @@ class LinearState:
         self.rec.zero_()
         self.pending = None
 
-    def commit(self, keep: Sequence[Sequence[int]]) -> None:
-        """Row i's state becomes its state after node keep[i][-1] of the pending block (a path's
-        last node; rows keeping nothing are unchanged)."""
-        if not any(keep):
-            return
+    def fold(self, plan: Tensor) -> None:
+        """Row i's state becomes its state after its last kept node of the pending block (a
+        `KVCache.commit` plan [b, q + 1]: kept nodes, padding, count; rows keeping nothing are
+        unchanged). Device work only (`KVCache.apply`)."""
         p, dev = self.pending, self.rec.device
-        if p is None:
-            raise RuntimeError("LinearState.commit: no verification pass to commit (verify, then commit once)")
         # Every row at once (no row gathers or scatters of the state); a row keeping nothing is
         # inert: its window stays the committed one (seq's first K-1 inputs), no decay, no update.
         L, b, K1, C = self.conv.shape
-        leaf, live = torch.tensor([[path[-1] if path else 0, bool(path)] for path in keep], device=dev).unbind(1)
-        live, rows = live.bool(), torch.arange(b, device=dev)
+        count = plan[:, -1]
+        live, rows = count > 0, torch.arange(b, device=dev)
+        leaf = plan.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]  # the path's last node (0 if none)
         window = torch.where(live[:, None], p.src[rows, leaf, 1:], torch.arange(K1, device=dev))  # [b, K-1]
         self.conv.copy_(p.seq.gather(2, window[None, :, :, None].expand(L, b, K1, C)))
         incl = (p.incl[rows, leaf] & live[:, None])[None, :, None, :]  # [1, b, 1, q]
         delta.fold(self.rec, p.k, p.d, p.G * live[:, None, None], incl, leaf[None, :, None, None].expand(L, b, 1, 1),
                    inplace=True)
-        self.pending = None
 
     def put_rows(self, src: LinearState, rows: Sequence[int], batch: int) -> None:
         """Row j of `src` becomes row rows[j] of a batch of `batch` rows (`KVCache.put_rows`)."""
@@ -233,6 +249,14 @@ class LinearState:
         self.conv.copy_(conv)
         self.rec.copy_(rec)
         self.pending = None
+
+
+def to_device(values: list, device: torch.device) -> Tensor:
+    """Host ints as a long tensor on `device` without waiting for it: on CUDA through pinned
+    memory and an asynchronous copy (a copy from pageable memory synchronises the stream)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
+
 
 def is_chain(path: Sequence[int]) -> bool:
     """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""

@@ -130,6 +130,7 @@ class Engine:
         self.fixed_rows = False
         self.cache = new_cache(target)
         self.dcache = drafter.new_cache() if drafter is not None else None
+        self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
 
     @property
     def batch(self) -> int:
@@ -216,13 +217,12 @@ class Engine:
     def commit(self, paths: Sequence[Sequence[int]]) -> None:
         """Row i keeps the verified nodes paths[i] (root first; empty for an idle row); their
         features are the drafter's next context."""
-        self.cache.commit(paths)
+        plan = self.cache.commit(paths, self.verified.shape[1], self.commit_step)
         q = max(len(p) for p in paths)
         if all(is_chain(p) for p in paths):
             self.pending = self.verified[:, :q]
-        else:
-            idx = torch.tensor([list(p) + [0] * (q - len(p)) for p in paths], device=self.verified.device)
-            self.pending = self.verified.gather(1, idx[:, :, None].expand(-1, -1, self.verified.shape[2]))
+        else:  # the plan's first q columns: each path, padded with nodes whose features are never read
+            self.pending = self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
         self.pending_counts = [len(p) for p in paths]
 
     @torch.no_grad()

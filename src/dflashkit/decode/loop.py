@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode import cost
+from dflashkit.decode.cache import to_device
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
@@ -290,7 +291,7 @@ def decode_stream(
         walks = [walk(t, h) for t, h in zip(trees, host)]  # (accepted path, the target's token after it)
         top = _top(logits, record_top) if record_top else None
         engine.commit([path if run else [] for (path, _), run in zip(walks, running)])  # idle rows commit nothing
-        bonus = torch.tensor([last for _, last in walks], device=dev)
+        bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
         stages.mark("commit")
         step = []
         for r, (row, tree, (path, last), run) in enumerate(zip(rows, trees, walks, running)):

@@ -438,7 +438,7 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
                commit: Tensor | None, dims: tuple[int, int, int]) -> tuple[Tensor, tuple[Tensor, ...]]:
     """A Gated DeltaNet token mixer over a verification block (see `decode/delta.py`), before its
     output projection: x [b, t, H], the layer's conv window [b, K-1, C] and state [b, h, dk, dv]
-    -> ([b, t, h * dv], (conv inputs, k, d, G) for `LinearState.commit`).
+    -> ([b, t, h * dv], (conv inputs, k, d, G) for `LinearState.fold`).
     commit [b] (a prefill, or an AR step's ones): the block is a chain whose first commit[i] tokens
     of row i are committed now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest
     of each row made inert (no decay, no update)."""
@@ -481,7 +481,8 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
                   layer_ids: list[int] | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
-    target's step (not with a mixture-of-experts MLP) and the drafter's step. compile_drafter: torch.compile the drafter's whole step
+    target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
+    drafter's step. compile_drafter: torch.compile the drafter's whole step
     (its layers, masks and cache writes) before capture. layer_ids: the taps whose features the
     engine keeps (default: the drafter's)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -498,7 +499,34 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
     if graphs and drafter is not None:
         engine.draft_step = Graphs(step, lambda: engine.dcache.k.data_ptr())
+    if runner_graphs:
+        engine.commit_step = graphed_commit(engine.cache)
     return engine
+
+
+def graphed_commit(cache: KVCache) -> Callable[[Tensor, Tensor, bool, bool], None]:
+    """`KVCache.apply` from CUDA graphs: a commit is a few dozen small kernels (the linear layers'
+    fold, a tree's key/value move), launch-bound when launched one by one. A graph reads the
+    pending block where the verification graph left it, so the block's address is part of the
+    key (one commit graph per verification graph); a block wider than GRAPH_MAX_TOKENS came from an
+    eager pass, at a new address each time: committed eagerly. Capture warm-ups run the commit,
+    so the state it changes is restored (`Graphs(preserve=...)`)."""
+    lin = cache.linear
+
+    def graphs(moving: bool) -> Graphs:  # warm-ups restore only what the commit changes (keys/values can be GBs)
+        return Graphs(lambda plan, lengths, moves, fold, where: cache.apply(plan, lengths, moves, fold),
+                      lambda: (cache.k.data_ptr(), lin and lin.rec.data_ptr()),
+                      lambda: ([cache.k, cache.v] if moving else []) + ([lin.conv, lin.rec] if lin is not None else []))
+
+    graphed = {False: graphs(False), True: graphs(True)}
+
+    def commit_step(plan: Tensor, lengths: Tensor, moves: bool, fold: bool) -> None:
+        if plan.shape[1] - 1 > GRAPH_MAX_TOKENS:
+            return cache.apply(plan, lengths, moves, fold)
+        where = tuple(t.data_ptr() for t in lin.pending) if fold else None
+        graphed[moves](plan, lengths, moves, fold, where)
+
+    return commit_step
 
 
 @torch.no_grad()
