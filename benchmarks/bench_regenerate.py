@@ -34,9 +34,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+DRAFTER, METHOD = None, "ar"  # --drafter / --method: the same passes with speculative rounds
+JOINS = {"count": 0, "seconds": 0.0}  # refill passes: admissions and the time they stopped the batch
+
+
 def engine_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
-    engine = make_engine(target, None, "auto")
-    return [g.tokens for b in batches for g in generate_batch(engine, [torch.tensor(p) for p in b], method="ar",
+    engine = make_engine(target, DRAFTER, "auto")
+    return [g.tokens for b in batches for g in generate_batch(engine, [torch.tensor(p) for p in b], method=METHOD,
                                                               max_new_tokens=n, stop_ids=stops)]
 
 
@@ -44,8 +48,9 @@ def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
                 min_free: int = 1) -> list[list[int]]:
     """At most --batch rows, finished rows refilled with the next prompts (continuous batching
     through `decode_stream`'s admissions, as `serve` does) once `min_free` rows are free."""
-    engine = make_engine(target, None, "auto")
+    engine = make_engine(target, DRAFTER, "auto")
     prompts = [p for b in batches for p in b]
+    joined_at: list[float] = []
     rows = len(batches[0])
     queue = iter(range(rows, len(prompts)))
     order = list(range(min(rows, len(prompts))))  # stream index -> prompt index
@@ -54,12 +59,20 @@ def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
         if 0 < running and rows - running < min_free:
             return []
         new = [i for _, i in zip(range(rows - running), queue)]
+        if new and running:
+            sync(target.device)
+            joined_at.append(time.perf_counter())
         order.extend(new)
         return [Request(torch.tensor(prompts[i]), n, stop_ids=frozenset(stops)) for i in new]
 
     out: dict[int, list[int]] = {}
-    for step in decode_stream(engine, [torch.tensor(prompts[i]) for i in order], method="ar", max_new_tokens=n,
+    JOINS.update(count=0, seconds=0.0)
+    for step in decode_stream(engine, [torch.tensor(prompts[i]) for i in order], method=METHOD, max_new_tokens=n,
                               stop_ids=stops, admit=admit):
+        if joined_at:  # this step is the join's first tokens: the batch waited for its prefill
+            sync(target.device)
+            JOINS["count"] += 1
+            JOINS["seconds"] += time.perf_counter() - joined_at.pop()
         out.update((order[k], g.tokens) for k, _, g in step if g.finish_reason)
     return [out[i] for i in range(len(prompts))]
 
@@ -89,9 +102,15 @@ def main() -> None:
     p.add_argument("--backends", default="engine,refill,transformers",
                    help="engine: whole batches (what regenerate runs); refill: rows refilled as they finish; "
                         "refill-quarter: refilled once a quarter of the rows is free; transformers")
+    p.add_argument("--drafter", help="a drafter directory: speculative rounds (--method) instead of AR")
+    p.add_argument("--method", default="dflash", choices=("dflash", "ddtree"), help="with --drafter (default dflash)")
     p.add_argument("--json")
     args = p.parse_args()
     target = load_target(None, dtype=args.dtype, device=args.device)
+    if args.drafter:
+        global DRAFTER, METHOD
+        from dflashkit.checkpoint import load_drafter
+        DRAFTER, METHOD = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype), args.method
     stops = set(stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
     convs = load_prompts("builtin", limit=args.prompts)
     ids = sorted((prompt_ids(target.tokenizer, context_messages(c)) for c in convs), key=lambda x: -len(x))
@@ -108,8 +127,10 @@ def main() -> None:
         seconds = time.perf_counter() - t
         tokens = sum(len(a) for a in answers[name])
         rows.append({"backend": name, "prompts": len(ids), "batch": args.batch, "tokens": tokens, "seconds": seconds,
-                     "tokens_per_s": tokens / seconds})
-        print(f"{name:12s} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} tokens/s", flush=True)
+                     "tokens_per_s": tokens / seconds, "method": METHOD,
+                     **({"joins": JOINS["count"], "join_seconds": JOINS["seconds"]} if "refill" in name else {})})
+        joins = f" ({JOINS['count']} joins: {JOINS['seconds']:.2f} s)" if "refill" in name else ""
+        print(f"{name:12s} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} tokens/s{joins}", flush=True)
     if "transformers" in answers:  # each back-end against Transformers' generate
         ref = next(r for r in rows if r["backend"] == "transformers")
         for r in rows:
