@@ -33,3 +33,49 @@ def test_fused_weights_are_views_not_copies():
         assert generate(e, ids, max_new_tokens=20, method="dflash").tokens == ref
     # The Transformers forward of the re-pointed modules is unchanged too.
     assert target.model.generate(ids, max_new_tokens=5, do_sample=False)[0, 12:].tolist() == ref[:5]
+
+
+def test_joins_capture_no_new_graphs(monkeypatch):
+    """Continuous batching on the graph engine: requests joining a running batch reuse the
+    target's and the drafter's captured graphs (a re-capture per join would stall every row).
+    On CPU, `Graphs` is replaced by a counter of signatures and buffer moves that runs eagerly."""
+    import dflashkit.decode.static as st
+    from dflashkit.decode.loop import Request, decode_stream
+
+    captures: dict[str, int] = {}
+
+    class Counting:
+        def __init__(self, fn, buffers=lambda: None, preserve=list):
+            self.fn, self.buffers, self.keys, self.where = fn, buffers, set(), None
+            self.name = getattr(fn, "__name__", "commit")
+
+        def __call__(self, *args):
+            if self.buffers() != self.where:
+                self.keys, self.where = set(), self.buffers()
+            key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+            if key not in self.keys:
+                self.keys.add(key)
+                captures[self.name] = captures.get(self.name, 0) + 1
+            return self.fn(*args)
+
+    monkeypatch.setattr(st, "Graphs", Counting)
+    torch.manual_seed(0)
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    engine = st.Engine(target, drafter, st.StaticRunner(target, list(drafter.config.target_layer_ids), cuda_graphs=True))
+    engine.slot_bucket, engine.fixed_rows = st.SLOT_BUCKET, True  # as `static_engine` sets them on CUDA
+    engine.draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g) for n in torch.randint(5, 60, (48,), generator=g)]
+    rows, queue, joins = 8, iter(range(8, 48)), []
+
+    def admit(running: int) -> list[Request]:
+        new = [i for _, i in zip(range(rows - running), queue)]
+        joins.extend([running] if new and running else [])
+        return [Request(prompts[i], 24) for i in new]
+
+    out = {}
+    for step in decode_stream(engine, prompts[:rows], method="dflash", max_new_tokens=24, admit=admit):
+        out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
+    assert len(out) == 48 and len(joins) >= 5
+    assert captures == {"_step": 1, "_draft_step": 1}, captures
