@@ -19,7 +19,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,15 +40,18 @@ class Plan:
     train_minutes: float
     heldout: int  # regenerated samples held out for the before/after τ
     suite_prompts: int | None  # prompts per evaluation suite; None = each suite's full count
+    suite_tokens: int | None  # answer tokens per suite prompt; None = each suite's own length
     budgets: list[int]
 
     @classmethod
     def for_device(cls, cuda: bool) -> "Plan":
         if cuda:
             return cls(train_prompts=2200, answer_tokens=256, train_minutes=3.0, heldout=64, suite_prompts=None,
-                       budgets=[8, 16, 32, 64])
-        # On two cores the suites dominate: 5 suites x 2 prompts x (AR + 2 drafters x 2 methods) ~ 11 min.
-        return cls(train_prompts=40, answer_tokens=128, train_minutes=2.5, heldout=8, suite_prompts=2, budgets=[64])
+                       suite_tokens=None, budgets=[8, 16, 32, 64])
+        # On two cores the suites dominate: 5 suites x 2 prompts x (AR + 2 drafters x 2 methods) of 64
+        # tokens ~ 8 min (each suite's own 128 tokens: ~17 min).
+        return cls(train_prompts=40, answer_tokens=128, train_minutes=2.5, heldout=8, suite_prompts=2,
+                   suite_tokens=64, budgets=[64])
 
 
 def bundled_drafter_dir() -> Path:
@@ -86,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-prompts", type=int, help="prompts of the demo's domain the target answers (CPU 40, GPU 2200)")
     p.add_argument("--train-minutes", type=float, help="fine-tuning wall clock (CPU 2.5, GPU 3)")
     p.add_argument("--suite-prompts", type=int, help="prompts per evaluation suite (CPU 2, GPU each suite's count)")
+    p.add_argument("--suite-tokens", type=int, help="answer tokens per suite prompt (CPU 64, GPU each suite's length)")
     p.add_argument("--budgets", help="DDTree node budgets, comma list (CPU 64, GPU 8,16,32,64)")
     add_config_options(p)
 
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.target.device)
     plan = Plan.for_device(device.startswith("cuda"))
     for field, value in (("train_prompts", args.train_prompts), ("train_minutes", args.train_minutes),
-                         ("suite_prompts", args.suite_prompts)):
+                         ("suite_prompts", args.suite_prompts), ("suite_tokens", args.suite_tokens)):
         if value is not None:
             if value <= 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive, got {value}")
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().addHandler(handler)
     cpu = not device.startswith("cuda")
     n_eval = sum(min(s.prompts, plan.suite_prompts or s.prompts) for s in EVAL_SUITES)
-    per_prompt = 65 if cpu else 6  # seconds of evaluation per prompt (measured on 2 CPU cores / an H200)
+    per_prompt = 55 if cpu else 6  # seconds of evaluation per prompt (measured on 2 CPU cores / an H200)
     stages = Stages({"load target": 10, "regenerate": 3.5 * plan.train_prompts if cpu else 120, "tokenize": 5,
                      "extract": 1.5 * plan.train_prompts if cpu else 20, "held-out τ before": 10,
                      "adapt": plan.train_minutes * 60, "held-out τ after": 10,
@@ -192,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     heldout = {**before, "drafters": {**before["drafters"], **after["drafters"]}}
 
     report_dir = out / "report"
-    settings = {"suite_prompts": plan.suite_prompts, "budgets": plan.budgets, "drafters": sorted(drafter_dirs),
+    settings = {"suite_prompts": plan.suite_prompts, "suite_tokens": plan.suite_tokens, "budgets": plan.budgets, "drafters": sorted(drafter_dirs),
                 "device": device, "adapted": str(adapted_dir)}
 
     def evaluate() -> dict[str, Any]:
@@ -203,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
                 log.info("reusing the evaluation of an earlier run: %s", done)
                 return old
         stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
-        suites = [(s, eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
+        suites = [(replace(s, max_new_tokens=plan.suite_tokens or s.max_new_tokens),
+                   eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
         rep = evaluate_suites(target, drafters, suites, stop_ids=stops, **methods)
         rep.update(demo_settings=settings, target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M:%S"))
         return rep
