@@ -79,3 +79,30 @@ def test_joins_capture_no_new_graphs(monkeypatch):
         out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
     assert len(out) == 48 and len(joins) >= 5
     assert captures == {"_step": 1, "_draft_step": 1}, captures
+
+
+def test_passes_outside_graphs_leave_cudnn_attention_out(monkeypatch):
+    """cuDNN's attention builds a plan per new shape (a join cost ~90 ms of them on an H200): every
+    engine pass runs SDPA without it, graph captures (`attention_backends(graph=True)`) with it,
+    and the caller's setting comes back afterwards."""
+    from dflashkit.decode.engine import Engine, attention_backends
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    ids = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for engine in (static_engine(target, drafter), Engine(target, drafter)):
+        seen.clear()
+        generate(engine, ids, max_new_tokens=12, method="dflash")
+        assert len(seen) > 10 and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends(graph=True):
+        assert torch.backends.cuda.cudnn_sdp_enabled()

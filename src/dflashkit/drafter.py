@@ -406,11 +406,13 @@ def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, 
     blk_slots = start[:, None] + torch.arange(cfg.block_size, device=dev)
     emb = embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
     lm = masks_mod.layer_masks(masks_mod.inference_layout(start, cfg.block_size, n), cfg.layer_types, cfg.sliding_window)
+    lm = {t: additive(m, new_features.dtype) for t, m in lm.items()}
     return drafter(emb, new_features, blk_slots, ctx_slots, lm, CacheSlots(cache, ctx_slots, blk_slots, n))
 
 
-def _additive(mask: Any, dtype: torch.dtype) -> Any:
-    """A boolean attention mask as 0 / -inf in `dtype`; anything else as it is."""
+def additive(mask: Any, dtype: torch.dtype) -> Any:
+    """A boolean attention mask as 0 / -inf in `dtype`; anything else as it is. SDPA converts a
+    boolean mask on every call: converted once, one mask serves every layer."""
     if not (torch.is_tensor(mask) and mask.dtype == torch.bool):
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -431,7 +433,7 @@ def training_hidden(drafter: DFlashDrafter, embed, input_ids: Tensor, features: 
     lm = masks_mod.layer_masks(layout, cfg.layer_types, cfg.sliding_window, backend)
     # SDPA turns a boolean mask into an additive one on every call, and backward keeps each layer's
     # copy ([b, 1, q, K] each): convert once, in the compute dtype (the features'), for all layers.
-    lm = {t: _additive(m, features.dtype) for t, m in lm.items()}
+    lm = {t: additive(m, features.dtype) for t, m in lm.items()}
     ctx_pos = torch.arange(T, device=input_ids.device).expand(b, -1)
     return drafter(emb, features, masks_mod.block_positions(anchors, cfg.block_size), ctx_pos, lm)
 

@@ -400,8 +400,8 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
         from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, StreamingResponse
         from starlette.exceptions import HTTPException
-    except ImportError:
-        raise RuntimeError("the server needs fastapi and uvicorn: pip install 'dflashkit[serve]'") from None
+    except ImportError as e:  # name what failed: an installed fastapi can miss a dependency of its own
+        raise RuntimeError(f"the server needs fastapi and uvicorn: pip install 'dflashkit[serve]' ({e})") from None
 
     from dflashkit.data.chat import encode, render
     from dflashkit.vocab import stop_token_ids

@@ -16,11 +16,13 @@ in both, its context in a second `KVCache`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.cache import KVCache, LinearState, is_chain
 from dflashkit.decode.tree import visibility
@@ -28,6 +30,25 @@ from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chunk, length]
+
+
+def attention_backends(graph: bool = False) -> Any:
+    """The SDPA backends of a decoding pass. cuDNN's attention builds an execution plan for each
+    new input shape (milliseconds per layer on an H200), and outside CUDA graphs shapes are new
+    all the time (prefills and joins of any length, verification over a growing cache): there it
+    is left out. Inside a graph, captured once per shape, it is the fastest measured: graph
+    captures (`static.Graphs`) allow it (docs/benchmarks.md, "Joins")."""
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(backends + [SDPBackend.CUDNN_ATTENTION] if graph else backends)
+
+
+def _passes(fn: Callable) -> Callable:
+    """An engine step that runs model passes: no grad, `attention_backends()`."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad(), attention_backends():
+            return fn(*args, **kwargs)
+    return run
 
 
 class Runner(Protocol):
@@ -149,7 +170,7 @@ class Engine:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, but {self.target.name} has {limit} positions "
                                  f"(max_position_embeddings): at most {limit - 1} prompt tokens leave room for an answer")
 
-    @torch.no_grad()
+    @_passes
     def prefill(self, prompts: Sequence[Tensor], capacity: int) -> Tensor:
         """prompts: b x [T_i] -> logits at each row's last prompt token [b, V]. The caches make room
         for `capacity` positions per row (they grow if a round needs more)."""
@@ -188,7 +209,7 @@ class Engine:
         h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, ctx_start, start, n)
         return self.target.lm_head(h[:, 1:])
 
-    @torch.no_grad()
+    @_passes
     def draft(self, bonus: Tensor) -> Tensor:
         """bonus [b] at positions `lengths` -> drafter logits [b, B-1, V] for the next B-1 positions."""
         B, dc = self.drafter.config.block_size, self.dcache
@@ -202,7 +223,7 @@ class Engine:
         dc.advance(self.pending_counts)
         return out
 
-    @torch.no_grad()
+    @_passes
     def verify(self, tokens: Tensor, depths: Tensor, ancestors: Tensor | None = None) -> Tensor:
         """tokens [b, q] at positions lengths + depths [b, q]; ancestors bool [b, q, q] (None: a
         chain) -> the target's logits [b, q, V]."""
@@ -225,7 +246,7 @@ class Engine:
             self.pending = self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
         self.pending_counts = [len(p) for p in paths]
 
-    @torch.no_grad()
+    @_passes
     def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
         """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
         of this batch, or indices from `batch` on to append): their caches, lengths and pending

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache
-from dflashkit.decode.engine import Engine
+from dflashkit.decode.engine import Engine, attention_backends
 from dflashkit.decode.tree import visibility
-from dflashkit.drafter import DFlashDrafter, apply_rope
+from dflashkit.drafter import DFlashDrafter, additive, apply_rope
 from dflashkit.target import Target
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -229,8 +229,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
         head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """x [b, t, H] -> q [b, heads, t, d], k, v [b, kv_heads, t, d] (RoPE applied), and the output
-    gate [b, t, heads * d] of a gated attention (else None)."""
+    """x [b, t, H] -> q [b, kv_heads, g * t, d] (the g = heads / kv_heads query heads of each KV
+    group folded into the query axis, for `attend`), k, v [b, kv_heads, t, d] (RoPE applied), and
+    the output gate [b, t, heads * d] of a gated attention (else None)."""
     b, t, _ = x.shape
     h = rms_norm(x, w.ln1, eps, w.offset)
     q_rows = heads * head_dim * (2 if w.gated else 1)
@@ -247,19 +248,28 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
         y = y.reshape(b, t, n, head_dim)
         return (y if norm is None else rms_norm(y, norm, eps, w.offset)).transpose(1, 2)
 
-    q = rope(heads_first(yq, heads, w.qn), cos, sin)
+    q = rope(heads_first(yq, heads, w.qn), cos, sin).reshape(b, kv_heads, (heads // kv_heads) * t, head_dim)
     return q, rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None), gate
 
 
-def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
-    """The token mixer's output projection + residual (Gemma: normalised before it joins)."""
+def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | None = None) -> Tensor:
+    """The token mixer's output projection + residual (Gemma: normalised before it joins). o: the
+    mixer's output [b, t, h * d], or `attend`'s [b, kv_heads, g * t, d], whose heads are put back
+    in order here (inside the compiled function: no copy kernel of its own); gate: a gated
+    attention's output gate [b, t, h * d]."""
+    if o.ndim == 4:
+        b, kv, gt, d = o.shape
+        t = x.shape[1]
+        o = o.reshape(b, kv, gt // t, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv * (gt // t) * d)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
     a = F.linear(o, w.o, w.ob)
     return x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.offset))
 
 
-def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
+def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | None = None) -> Tensor:
     """`out_proj`, then the gated MLP + residual (Gemma: normalised before it joins)."""
-    x = out_proj(x, o, w, eps)
+    x = out_proj(x, o, w, eps, gate)
     h = rms_norm(x, w.ln2, eps, w.offset)
     if w.gate_up is not None:
         gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
@@ -270,13 +280,10 @@ def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float) -> Tensor:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
-    """q [b, h, t, d] over k/v [b, kv, n, d]; mask bool [b, 1, g*t, n] (the [t, n] mask repeated
-    once per query head of a KV group). The heads sharing a KV head are folded into the query
-    axis, so no kernel needs GQA support and KV is never repeated."""
-    b, h, t, d = q.shape
-    kv = k.shape[1]
-    o = F.scaled_dot_product_attention(q.reshape(b, kv, (h // kv) * t, d), k, v, attn_mask=mask, scale=scale)
-    return o.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+    """q [b, kv, g*t, d] (`qkv`'s layout) over k/v [b, kv, n, d]; mask additive [b, 1, g*t, n] (the
+    [t, n] mask repeated once per query head of a KV group) -> [b, kv, g*t, d]. The heads sharing a
+    KV head are folded into the query axis, so no kernel needs GQA support and KV is never repeated."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class Graphs:
@@ -310,13 +317,14 @@ class Graphs:
 
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up (allocator, cuBLAS handles, compilation)
-                for _ in range(2):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = call()
+            with attention_backends(graph=True):  # fixed shapes: cuDNN's attention plans are built once
+                with torch.cuda.stream(side):  # warm-up (allocator, cuBLAS handles, compilation)
+                    for _ in range(2):
+                        call()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = call()
             for t, v in zip(self.preserve(), kept):
                 t.copy_(v)
             self.graphs[key] = (graph, static, out)
@@ -351,6 +359,7 @@ class StaticRunner:
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
+        # The layer functions of passes in CUDA graphs and of long eager passes (`_step`'s `compiled`).
         self._qkv, self._out_mlp, self._out_proj, self._linear_mix = qkv, out_mlp, out_proj, linear_mix
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
         if compile:
@@ -371,7 +380,8 @@ class StaticRunner:
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
         use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
-        return self._run(self.graphed if use_graph else self._step, cache, tokens, depths, ancestors, n, commit)
+        return self._run(self.graphed if use_graph else self._step, cache, tokens, depths, ancestors, n, commit,
+                         use_graph)
 
     def eager(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
               commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -380,20 +390,26 @@ class StaticRunner:
         return self._run(self._step, cache, tokens, depths, ancestors, n, commit)
 
     def _run(self, step: Callable, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
-             commit: Tensor | None) -> tuple[Tensor, Tensor]:
+             commit: Tensor | None, graph: bool = False) -> tuple[Tensor, Tensor]:
+        # Compiled layer functions pay in a graph (replayed without Python) and on long passes; a
+        # short pass outside a graph (a joining prompt) launches faster without their guards
+        # (measured on an H200: 30 against 43 ms per join, docs/benchmarks.md).
+        compiled = graph or tokens.shape[1] > GRAPH_MAX_TOKENS
         self.cache = cache
-        h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit)
+        h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit, compiled)
         if cache.linear is not None:
             cache.linear.pending = block
         return h, feats
 
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
-              commit: Tensor | None) -> tuple[Tensor, Tensor, delta.Block | None]:
+              commit: Tensor | None, compiled: bool) -> tuple[Tensor, Tensor, delta.Block | None]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
+        qkv_f, out_mlp_f, out_proj_f, mix_f = ((self._qkv, self._out_mlp, self._out_proj, self._linear_mix) if compiled
+                                               else (qkv, out_mlp, out_proj, linear_mix))
         g = self.heads // self.kv_heads
         kinds = set(self.kinds) - {"linear_attention"}
-        masks = {kind: visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention" else None)
-                 .repeat(1, g, 1)[:, None] for kind in kinds}
+        masks = {kind: additive(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
+                                           else None).repeat(1, g, 1)[:, None], self.target.dtype) for kind in kinds}
         slots = lengths[:, None] + torch.arange(q, device=dev)
         x = self.target.embed(tokens)
         pos = lengths[:, None] + depths
@@ -408,22 +424,21 @@ class StaticRunner:
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
                 li = len(parts)
-                mix = linear_mix if commit is not None else self._linear_mix
+                mix = linear_mix if commit is not None else mix_f
                 o, part = mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
                 parts.append(part)
+                gate = None
             else:
                 ai = i - (len(parts) if lin is not None else 0)
                 cos, sin = rot[kind]
-                qh, k, v, gate = self._qkv(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
+                qh, k, v, gate = qkv_f(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
                                            self.head_dim)
                 cache.write(ai, k, v, slots)
                 o = attend(qh, *cache.view(ai, n), masks[kind], self.scale)
-                if gate is not None:
-                    o = o * torch.sigmoid(gate)
             if self.moe[i] is None:
-                x = self._out_mlp(x, o, w, self.eps)
+                x = out_mlp_f(x, o, w, self.eps, gate)
             else:
-                x = self._out_proj(x, o, w, self.eps)
+                x = out_proj_f(x, o, w, self.eps, gate)
                 x = x + self.moe[i](rms_norm(x, w.ln2, self.eps, w.offset))
             taps[i] = x
         h = rms_norm(x, self.norm_w, self.eps, self.tw[-1].offset)
