@@ -35,14 +35,10 @@ def test_fused_weights_are_views_not_copies():
     assert target.model.generate(ids, max_new_tokens=5, do_sample=False)[0, 12:].tolist() == ref[:5]
 
 
-def test_joins_capture_no_new_graphs(monkeypatch):
-    """Continuous batching on the graph engine: requests joining a running batch reuse the
-    target's and the drafter's captured graphs (a re-capture per join would stall every row).
-    On CPU, `Graphs` is replaced by a counter of signatures and buffer moves that runs eagerly."""
+def _counting_engine(monkeypatch, captures: dict[str, int]):
+    """A tiny target's graph engine (fixed rows, as `static_engine` on CUDA) on CPU, `Graphs`
+    replaced by a counter of the signatures it would capture (and of buffer moves), run eagerly."""
     import dflashkit.decode.static as st
-    from dflashkit.decode.loop import Request, decode_stream
-
-    captures: dict[str, int] = {}
 
     class Counting:
         def __init__(self, fn, buffers=lambda: None, preserve=list):
@@ -65,6 +61,16 @@ def test_joins_capture_no_new_graphs(monkeypatch):
     engine = st.Engine(target, drafter, st.StaticRunner(target, list(drafter.config.target_layer_ids), cuda_graphs=True))
     engine.slot_bucket, engine.fixed_rows = st.SLOT_BUCKET, True  # as `static_engine` sets them on CUDA
     engine.draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr())
+    return engine
+
+
+def test_joins_capture_no_new_graphs(monkeypatch):
+    """Continuous batching on the graph engine: requests joining a running batch reuse the
+    target's and the drafter's captured graphs (a re-capture per join would stall every row)."""
+    from dflashkit.decode.loop import Request, decode_stream
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (int(n),), generator=g) for n in torch.randint(5, 60, (48,), generator=g)]
     rows, queue, joins = 8, iter(range(8, 48)), []
@@ -79,6 +85,34 @@ def test_joins_capture_no_new_graphs(monkeypatch):
         out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
     assert len(out) == 48 and len(joins) >= 5
     assert captures == {"_step": 1, "_draft_step": 1}, captures
+
+
+def test_a_stream_that_starts_small_keeps_one_batch_size(monkeypatch):
+    """A server's stream starts with whoever is queued (often one request) and the rest join one
+    by one: with `rows` the batch holds all its rows from the start (idle placeholders), so one
+    set of graphs serves the whole stream, and every answer equals decoding its prompt alone."""
+    from dflashkit.decode.loop import Request, decode_stream
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    g = torch.Generator().manual_seed(1)
+    # Longest first: the first request's room suffices for all, so the caches never grow (a
+    # growth moves the buffers, which re-captures the graphs once per doubling).
+    lengths = sorted(torch.randint(5, 40, (12,), generator=g).tolist(), reverse=True)
+    prompts = [torch.randint(3, 120, (n,), generator=g) for n in lengths]
+    queue = iter(range(1, len(prompts)))
+
+    def admit(running: int) -> list[Request]:  # one newcomer per round while a row is free
+        return [Request(prompts[i], 16) for _, i in zip(range(min(1, 6 - running)), queue)]
+
+    out = {}
+    for step in decode_stream(engine, prompts[:1], method="dflash", max_new_tokens=16, admit=admit, rows=6):
+        out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
+        assert engine.batch == 6
+    assert captures == {"_step": 1, "_draft_step": 1}, captures
+    alone = static_engine(engine.target, engine.drafter, cuda_graphs=False)
+    assert [out[i] for i in range(len(prompts))] == [generate(alone, p, max_new_tokens=16, method="dflash").tokens
+                                                     for p in prompts]
 
 
 def test_passes_outside_graphs_leave_cudnn_attention_out(monkeypatch):

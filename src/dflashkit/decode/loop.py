@@ -201,6 +201,7 @@ def decode_stream(
     stop_ids: set[int] | frozenset[int] | Sequence[set[int] | frozenset[int]] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
     admit: Admit | None = None,
+    rows: int | None = None,
     profile: bool = False,
     cost_aware: bool = False,
     record_top: int = 0,
@@ -216,7 +217,10 @@ def decode_stream(
     running; the `Request`s it returns join the batch now (`Engine.join`: into idle rows of a
     `fixed_rows` engine, else appended), numbered on from the prompts in the order admitted, and
     their first tokens are yielded at once. The stream ends when no row runs and `admit` returns
-    nothing. Every row shares `method`.
+    nothing. Every row shares `method`. rows: on a `fixed_rows` engine (CUDA graphs), the batch
+    holds this many rows from the start, idle beyond the prompts, so that joins fill idle rows
+    and never grow it: a batch that grew by appends would capture a new set of graphs at every
+    size it passed through (seconds of stalls for every running row).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
     `budget` nodes from the top-`top_k` tokens of each slot). cost_aware: measure what
@@ -235,18 +239,23 @@ def decode_stream(
     dev = engine.target.device
     stages = _Stages(profile, dev)
 
-    rows, bonus, step = _start(engine, requests, 0, method, budget, lambda ps, room: engine.prefill(ps, capacity=room),
-                               record_top)
+    batch: list[_Row | None]  # None: an idle row that never held a request
+    batch, bonus, step = _start(engine, requests, 0, method, budget, lambda ps, room: engine.prefill(ps, capacity=room),
+                                record_top)
+    if rows and engine.fixed_rows and rows > n:  # idle rows: one-token placeholders, never decoded
+        engine.join([torch.zeros(1, dtype=torch.long)] * (rows - n), range(n, rows), capacity=0)
+        batch += [None] * (rows - n)
+        bonus = torch.cat([bonus, bonus.new_zeros(rows - n)])
     admitted = n  # requests so far: the next one's index
     yield step
     curve = None
     if cost_aware and method != "ar":
         top = B if method == "dflash" else budget + 1
         curve = cost.measure(engine, sorted({w for w in (1, 2, 4, 8, 16, 32, 64, top) if w <= top}))
-        for row in rows:  # the measurement is not decoding time
+        for row in filter(None, batch):  # the measurement is not decoding time
             row.t1 = time.perf_counter()
     while True:
-        running = [not row.res.finish_reason and not cancelled(row.index) for row in rows]
+        running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
         joining = list(admit(sum(running))) if admit is not None else []
         if not any(running) and not joining:
             break
@@ -254,10 +263,10 @@ def decode_stream(
             keep = [k for k, r in enumerate(running) if r]
             engine.keep_rows(keep)
             bonus = bonus[torch.tensor(keep, dtype=torch.long, device=dev)]
-            rows, running = [rows[k] for k in keep], [True] * len(keep)
+            batch, running = [batch[k] for k in keep], [True] * len(keep)
         if joining:
             idle = [k for k, r in enumerate(running) if not r]  # only on a fixed-rows engine
-            places = (idle + list(range(len(rows), len(rows) + len(joining))))[:len(joining)]
+            places = (idle + list(range(len(batch), len(batch) + len(joining))))[:len(joining)]
             new, first, step = _start(engine, joining, admitted, method, budget,
                                       lambda ps, room: engine.join(ps, places, capacity=room), record_top)
             admitted += len(joining)
@@ -265,7 +274,7 @@ def decode_stream(
             bonus[torch.tensor(places, device=dev)] = first
             running += [False] * (len(places) - len(idle))
             for k, row in zip(places, new):
-                rows[k:k + 1] = [row]  # replaces an idle row, or appends
+                batch[k:k + 1] = [row]  # replaces an idle row, or appends
                 running[k] = not row.res.finish_reason
             yield step
             if not any(running):  # every joining request ended at its first token
@@ -280,7 +289,8 @@ def decode_stream(
             curve.draft_seconds = spent if not curve.draft_seconds else 0.8 * curve.draft_seconds + 0.2 * spent
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)  # [b, q, V]
-        picked = row_tokens(logits, [row.request.sampling for row in rows], [row.gen for row in rows])
+        picked = row_tokens(logits, [row.request.sampling if row else Sampling() for row in batch],
+                            [row.gen if row else None for row in batch])
         stages.mark("verify")
         if chain is not None:
             host = torch.cat([chain, picked], 1).tolist()  # the round's one transfer to the host
@@ -294,7 +304,7 @@ def decode_stream(
         bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
         stages.mark("commit")
         step = []
-        for r, (row, tree, (path, last), run) in enumerate(zip(rows, trees, walks, running)):
+        for r, (row, tree, (path, last), run) in enumerate(zip(batch, trees, walks, running)):
             if not run:
                 continue
             new = row.extend([tree.tokens[j - 1] for j in path[1:]] + [last])
@@ -343,11 +353,13 @@ def make_engine(target: Any, drafter: Any, kind: str = "auto") -> Engine:
 class DecodingGenerator:
     """The server's generator (`generation.BatchedGenerator`): requests decoded by the round loop,
     one chunk per round; each request keeps its own sampling parameters, seed and token limit.
-    Speculative methods add their acceptance statistics to the usage block."""
+    Speculative methods add their acceptance statistics to the usage block. rows: the server's
+    largest batch (`decode_stream`'s `rows`: one batch size, one set of CUDA graphs)."""
 
-    def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int = 4) -> None:
+    def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int = 4,
+                 rows: int | None = None) -> None:
         check_request(method, 1, engine.drafter, budget)
-        self.engine, self.method, self.budget, self.top_k = engine, method, budget, top_k
+        self.engine, self.method, self.budget, self.top_k, self.rows = engine, method, budget, top_k, rows
         self.label = None if method == "ar" else method if method != "ddtree" else f"ddtree-{budget}"
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
@@ -366,7 +378,7 @@ class DecodingGenerator:
         steps = decode_stream(
             self.engine, [r.prompt for r in first], method=self.method, budget=self.budget, top_k=self.top_k,
             max_new_tokens=[r.max_new_tokens for r in first], sampling=[r.sampling for r in first],
-            stop_ids=[r.stop_ids for r in first], cancelled=cancelled,
+            stop_ids=[r.stop_ids for r in first], cancelled=cancelled, rows=self.rows,
             admit=None if admit is None else lambda running: convert(admit(running)))
         for step in steps:
             stats = {"batch_size": self.engine.batch}
