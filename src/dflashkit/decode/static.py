@@ -381,7 +381,7 @@ class StaticRunner:
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
         use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
         return self._run(self.graphed if use_graph else self._step, cache, tokens, depths, ancestors, n, commit,
-                         use_graph)
+                         graph=use_graph)
 
     def eager(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
               commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
