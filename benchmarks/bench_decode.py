@@ -10,8 +10,8 @@ The floor is reading target + drafter weights once over the measured copy bandwi
 (one `Engine`, different runners of the target's layers): `hf` (the target's own Transformers
 forward, eager launches), `static` (own layers, eager), `graphs` (static + CUDA graphs),
 `compiled` (graphs + torch.compile of the per-layer functions), `fused` (compiled, with q/k/v and
-gate/up weights concatenated: what `make_engine`'s 'auto' gives on CUDA), `fused-cd` (fused, and
-the drafter's whole step compiled too). Stage times
+gate/up weights concatenated), `fused-cd` (fused, and the drafter's whole step compiled too:
+what `make_engine`'s 'auto' gives on CUDA). Stage times
 synchronise the GPU at each stage boundary; "round" is the same loop without those extra
 synchronisations.
 

@@ -7,7 +7,8 @@ untimed pass (compilation, graph capture), one timed pass reports tokens/s and, 
 joins (each part synchronised): the joining prompts' prefill, the drafter's pass over their
 context, the row copies, and graph captures. `--cudnn-eager` lets eager passes use cuDNN's
 attention (as before it was left to graph captures) and `--compiled-eager` runs joins' short
-eager passes on the compiled layer functions: the two A/Bs of docs/benchmarks.md (serving, "where a join's 125 ms went").
+eager passes on the compiled layer functions: the two A/Bs of docs/benchmarks.md (serving,
+"where a join's 125 ms went").
 
     python benchmarks/profile_joins.py --json out.json                       # GPU
     python benchmarks/profile_joins.py --cudnn-eager --json before.json
