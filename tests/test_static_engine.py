@@ -140,3 +140,20 @@ def test_passes_outside_graphs_leave_cudnn_attention_out(monkeypatch):
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with attention_backends(graph=True):
         assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_compiled_engine_equals_autoregressive():
+    """The layer functions and the drafter's step under torch.compile (what `make_engine('auto')`
+    builds on CUDA, here without graphs): greedy DFlash and DDTree equal plain AR, alone and batched."""
+    from dflashkit.decode.loop import generate_batch
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 120, (n,), generator=g) for n in (12, 30, 7, 50)]
+    ref = [x.tokens for x in generate_batch(static_engine(target, None), prompts, method="ar", max_new_tokens=32)]
+    engine = static_engine(target, drafter, compile=True, compile_drafter=True)
+    for method, budget in [("dflash", None), ("ddtree", 12)]:
+        assert generate(engine, prompts[1], max_new_tokens=32, method=method, budget=budget).tokens == ref[1]
+        outs = generate_batch(engine, prompts, max_new_tokens=32, method=method, budget=budget)
+        assert [o.tokens for o in outs] == ref, method
