@@ -104,25 +104,31 @@ def test_waiting_requests_join_in_groups():
     asyncio.run(scenario())
 
 
-def test_grouped_joins_over_the_round_loop():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_grouped_joins_over_the_round_loop(graphs, monkeypatch):
     """The real round loop (tiny random target and drafter, DFlash): requests submitted while a
     batch runs join it in groups (with no time bound, only when 2 rows are free or nothing
     runs), and each stream, complete, is what the request decodes alone; whatever round each
-    arrives in, no request is lost."""
+    arrives in, no request is lost. graphs: the CUDA-graph engine's fixed rows (graphs counted on
+    CPU): the stream that starts with one request holds the server's 3 rows from the start, so
+    one set of graphs serves it."""
     import torch
 
     from conftest import make_tiny_drafter, make_tiny_target
     from dflashkit.decode.engine import Engine as Decoder
     from dflashkit.decode.loop import DecodingGenerator, generate
+    from test_static_engine import _counting_engine
 
-    target = make_tiny_target()
-    drafter = make_tiny_drafter(target)
+    captures: dict[str, int] = {}
+    decoder = _counting_engine(monkeypatch, captures) if graphs else None
+    target = decoder.target if graphs else make_tiny_target()
+    drafter = decoder.drafter if graphs else make_tiny_drafter(target)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22, 23], [24, 25, 26]]
     limits = [40, 6, 9, 12, 5, 8, 11]
     params = lambda n: dict(max_new_tokens=n, temperature=0.0, top_p=1.0, seed=None, stop_ids=set())  # noqa: E731
 
     async def serve() -> list[list[int]]:
-        engine = Engine(DecodingGenerator(Decoder(target, drafter)), max_batch=3,
+        engine = Engine(DecodingGenerator(decoder or Decoder(target, drafter), rows=3), max_batch=3,
                         admission=Admission(min_free=2, max_wait_s=math.inf))
         jobs = [engine.submit(prompts[0], **params(limits[0]))]
         first = await asyncio.wait_for(jobs[0].out.get(), WAIT)  # the long request decodes
@@ -137,6 +143,8 @@ def test_grouped_joins_over_the_round_loop():
         return streams
 
     streams = asyncio.run(serve())
+    if graphs:
+        assert captures == {"_step": 1, "_draft_step": 1}, captures
     for p, n, got in zip(prompts, limits, streams):
         alone = generate(Decoder(target, drafter), torch.tensor(p), max_new_tokens=n)
         assert got == alone.tokens and len(got) == n
