@@ -154,7 +154,7 @@ def test_every_engine_and_method_greedy_identical(gemma3):
     assert prompts[0].shape[1] < w < prompts[0].shape[1] + n_new
     refs = [greedy_reference(gemma3, p, n_new) for p in prompts]
     mask = default_mask_token_id(gemma3.tokenizer, gemma3.vocab_size, gemma3.model.generation_config)
-    drafter = DFlashDrafter(drafter_config_for_target(gemma3.config, mask, num_layers=1)).float()
+    drafter = DFlashDrafter(drafter_config_for_target(gemma3.config, mask, num_layers=1, block_size=8)).float()
     for name, make in [("hf", Engine), ("static", static_engine)]:
         for method, budget in [("ar", None), ("dflash", None), ("ddtree", 8)]:
             d = drafter if method != "ar" else None
