@@ -242,7 +242,7 @@ def decode_stream(
     batch: list[_Row | None]  # None: an idle row that never held a request
     batch, bonus, step = _start(engine, requests, 0, method, budget, lambda ps, room: engine.prefill(ps, capacity=room),
                                 record_top)
-    if rows and engine.fixed_rows and rows > n:  # idle rows: one-token placeholders, never decoded
+    if rows and engine.fixed_rows and rows > n:  # idle rows: one-token prompts that never decode
         engine.join([torch.zeros(1, dtype=torch.long)] * (rows - n), range(n, rows), capacity=0)
         batch += [None] * (rows - n)
         bonus = torch.cat([bonus, bonus.new_zeros(rows - n)])

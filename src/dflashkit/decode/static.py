@@ -359,13 +359,9 @@ class StaticRunner:
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
-        # The layer functions of passes in CUDA graphs and of long eager passes (`_step`'s `compiled`).
-        self._qkv, self._out_mlp, self._out_proj, self._linear_mix = qkv, out_mlp, out_proj, linear_mix
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
-        if compile:
-            self._qkv, self._out_mlp = torch.compile(qkv, dynamic=True), torch.compile(out_mlp, dynamic=True)
-            self._out_proj = torch.compile(out_proj, dynamic=True)
-            self._linear_mix = torch.compile(linear_mix, dynamic=True)  # verification blocks (prompts run eagerly)
+        # The layer functions of passes in CUDA graphs and of long eager passes (`_step`'s `compiled`).
+        self.compiled = tuple(torch.compile(f, dynamic=True) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
                                                    self.cache.linear.rec.data_ptr()),
@@ -404,8 +400,7 @@ class StaticRunner:
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
               commit: Tensor | None, compiled: bool) -> tuple[Tensor, Tensor, delta.Block | None]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
-        qkv_f, out_mlp_f, out_proj_f, mix_f = ((self._qkv, self._out_mlp, self._out_proj, self._linear_mix) if compiled
-                                               else (qkv, out_mlp, out_proj, linear_mix))
+        qkv_f, out_mlp_f, out_proj_f, mix_f = self.compiled if compiled else LAYER_FUNCTIONS
         g = self.heads // self.kv_heads
         kinds = set(self.kinds) - {"linear_attention"}
         masks = {kind: additive(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
@@ -490,6 +485,9 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
     o = rms_norm(o.transpose(1, 2).to(x.dtype), m.norm, eps)  # [b, t, h, dv]; then the gate of Qwen3.5's norm
     o = (o * F.silu(z.reshape(b, t, value_heads, -1).float())).to(x.dtype)
     return o.reshape(b, t, -1), part
+
+
+LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix)  # what `StaticRunner(compile=True)` compiles
 
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
