@@ -635,8 +635,8 @@ def test_cost_curve_picks_the_best_prefix():
     flat = CostCurve([1, 5], [1.0, 1.0])  # memory-bound: verifying more is free
     steep = CostCurve([1, 5], [1.0, 5.0])  # compute-bound: each token costs a step
     assert flat.best_width(exp) == 5 and steep.best_width(exp) == 1
-    assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
-    assert steep.verify(3) == 3.0 and steep.verify(7) == 7.0
+    assert CostCurve([1, 3, 5], [1.0, 1.4, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
+    assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 5  # only measured widths: 3 is not one
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation([[0.0, -0.693147, -1e9]], 3), torch.tensor([1.0, 2.0, 2.5, 2.5]))
 

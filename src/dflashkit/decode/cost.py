@@ -20,25 +20,18 @@ from torch import Tensor
 
 @dataclass
 class CostCurve:
-    widths: list[int]  # verification widths measured, ascending
+    widths: list[int]  # verification widths measured, ascending: the only widths a round verifies
     seconds: list[float]  # one pass of that width
     draft_seconds: float = 0.0  # one drafter pass (running estimate)
 
-    def verify(self, q: int) -> float:
-        """Seconds for a pass of q tokens, interpolated linearly between the measured widths."""
-        w, s = self.widths, self.seconds
-        if q <= w[0]:
-            return s[0]
-        for (w0, s0), (w1, s1) in zip(zip(w, s), zip(w[1:], s[1:])):
-            if q <= w1:
-                return s0 + (s1 - s0) * (q - w0) / (w1 - w0)
-        return s[-1] + (s[-1] - s[-2]) * (q - w[-1]) / max(1, w[-1] - w[-2])
-
     def best_width(self, expected: Tensor) -> int:
         """expected [q_max]: tokens a round yields (summed over rows) when it verifies q = 1..q_max
-        tokens per row -> the q with the most tokens per second."""
-        rates = [float(e) / (self.draft_seconds + self.verify(q)) for q, e in enumerate(expected.tolist(), start=1)]
-        return 1 + max(range(len(rates)), key=rates.__getitem__)
+        tokens per row -> the measured width q <= q_max with the most tokens per second. Only
+        measured widths: their cost is known, not interpolated, and each is a pass shape already
+        run (with CUDA graphs, a new width would capture new graphs in the middle of decoding)."""
+        e = expected.tolist()
+        rates = {w: e[w - 1] / (self.draft_seconds + s) for w, s in zip(self.widths, self.seconds) if w <= len(e)}
+        return max(rates, key=rates.__getitem__)
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:

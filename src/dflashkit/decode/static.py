@@ -364,18 +364,15 @@ class StaticRunner:
         self.compiled = tuple(torch.compile(f, dynamic=True) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
-                                                   self.cache.linear.rec.data_ptr()),
-                              self._folded_state) if cuda_graphs else None
-
-    def _folded_state(self) -> list[Tensor]:
-        """What a pass given `commit` (a prefill's chain) updates in place (see `Graphs`)."""
-        lin = self.cache.linear
-        return [] if lin is None else [lin.conv, lin.rec]
+                                                   self.cache.linear.rec.data_ptr())) if cuda_graphs else None
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
-        use_graph = self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
+        # A prefill (commit given) runs eagerly: its shape (rows x prompt length) seldom comes
+        # again, and capturing a graph for it costs several passes.
+        use_graph = (self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
+                     and commit is None)
         return self._run(self.graphed if use_graph else self._step, cache, tokens, depths, ancestors, n, commit,
                          graph=use_graph)
 
