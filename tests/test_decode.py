@@ -637,6 +637,9 @@ def test_cost_curve_picks_the_best_prefix():
     assert flat.best_width(exp) == 5 and steep.best_width(exp) == 1
     assert CostCurve([1, 3, 5], [1.0, 1.4, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
     assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 5  # only measured widths: 3 is not one
+    # a width is a candidate only if it saves >= 10 % of the full pass (else: decide nothing, as fixed)
+    assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).worth_choosing().widths == [8]
+    assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).worth_choosing().widths == [1, 2, 8]
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation([[0.0, -0.693147, -1e9]], 3), torch.tensor([1.0, 2.0, 2.5, 2.5]))
 

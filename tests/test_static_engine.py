@@ -157,3 +157,41 @@ def test_compiled_engine_equals_autoregressive():
         assert generate(engine, prompts[1], max_new_tokens=32, method=method, budget=budget).tokens == ref[1]
         outs = generate_batch(engine, prompts, max_new_tokens=32, method=method, budget=budget)
         assert [o.tokens for o in outs] == ref, method
+
+
+def test_compiled_draft_step_is_one_graph():
+    """torch.compile(dynamic=True) of the drafter's step (as `make_engine('auto')` on CUDA) traces it
+    whole, every layer in one graph: no graph break, no recompilation per layer. SDPA's
+    `enable_gqa` once came from comparing two symbolic shapes, which broke each drafter layer in two
+    and compiled it again for each layer index: 52 s before a server's first answer on an H200."""
+    from torch._dynamo.utils import counters
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target, num_layers=3)
+    engine = static_engine(target, drafter, cuda_graphs=False)
+    torch._dynamo.reset()
+    counters.clear()
+    engine.draft_step = torch.compile(engine._draft_step, dynamic=True, backend="eager")
+    engine.prefill([torch.randint(3, 120, (30,))], capacity=128)
+    width = engine.pending.shape[2]
+    for accepted in (3, 5, 2, 0):  # after the prompt's context (run as it is), a round's accepted features
+        engine.draft(torch.zeros(1, dtype=torch.long))
+        engine.pending, engine.pending_counts = torch.randn(1, accepted, width), [accepted]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_warm_up_captures_what_a_stream_needs(monkeypatch):
+    """`serve` warms its generator up before listening: afterwards a stream of requests (of the
+    same span bucket) captures no graph, so no request waits for compilation or capture."""
+    from dflashkit.decode.loop import DecodingGenerator
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    gen = DecodingGenerator(engine, rows=4)
+    gen.warm_up([5, 6, 7])
+    assert captures == {"_step": 1, "_draft_step": 1}, captures
+    params = dict(max_new_tokens=20, temperature=0.0, top_p=1.0, seed=None, stop_ids=set())
+    for step in gen.generate_batch([([9, 10, 11, 12], params), ([13, 14], params)]):
+        pass
+    assert captures == {"_step": 1, "_draft_step": 1}, captures

@@ -11,7 +11,7 @@ The drafter owns no embedding and no LM head: the target's, frozen, are used (se
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -192,8 +192,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @dataclass
 class CacheSlots:
     """Where one inference block's keys/values go: a `decode.cache.KVCache` of the drafter's
-    layers, the new context's slots [b, c], the block's slots [b, B] (written after the context,
-    so they overwrite its padding), and the `n` slots every query looks at."""
+    layers (one layer's `LayerKV` inside a layer), the new context's slots [b, c], the block's
+    slots [b, B] (written after the context, so they overwrite its padding), and the `n` slots
+    every query looks at."""
 
     kv: Any
     ctx_slots: Tensor
@@ -201,11 +202,13 @@ class CacheSlots:
     n: int
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any) -> Tensor:
-    """q [b, h, q, d], k/v [b, kv, K, d]; mask: None, bool [b|1, 1, q, K] or a FlexAttention BlockMask."""
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any, gqa: bool) -> Tensor:
+    """q [b, h, q, d], k/v [b, kv, K, d]; mask: None, bool [b|1, 1, q, K] or a FlexAttention BlockMask;
+    gqa: kv < h, from the config (a comparison of shapes is symbolic under torch.compile(dynamic=True),
+    and SDPA refuses it: the compiled step broke in two at every layer)."""
     if masks_mod.is_block_mask(mask):
-        return masks_mod.flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return masks_mod.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -227,7 +230,7 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_c: tuple[Tensor, Tensor],
-                mask: Any, cache: CacheSlots | None, layer: int) -> Tensor:
+                mask: Any, cache: CacheSlots | None) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
         q = apply_rope(q, *rope_q)
@@ -236,10 +239,10 @@ class Attention(nn.Module):
         if cache is None:  # training: the whole context, then every block
             k, v = torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2)
         else:
-            cache.kv.write(layer, k_ctx, v_ctx, cache.ctx_slots)
-            cache.kv.write(layer, k_blk, v_blk, cache.blk_slots)
-            k, v = cache.kv.view(layer, cache.n)
-        out = attend(q, k, v, mask)
+            cache.kv.write(k_ctx, v_ctx, cache.ctx_slots)
+            cache.kv.write(k_blk, v_blk, cache.blk_slots)
+            k, v = cache.kv.view(cache.n)
+        out = attend(q, k, v, mask, self.kv != self.h)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
 
@@ -262,9 +265,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_c, mask, cache, layer: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_c, mask, cache) -> Tensor:
         # The context is already normalised by `hidden_norm`; only the block stream is pre-normed.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_c, mask, cache, layer)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_c, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -309,8 +312,11 @@ class DFlashDrafter(nn.Module):
         x = block_emb.to(ctx.dtype)
         rope_q = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         rope_c = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        if cache is not None:  # the buffers exist before any layer takes its own view of them
+            cache.kv.allocate(x.new_empty(x.shape[0], cfg.num_key_value_heads, 0, cfg.head_dim))
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], cache, i)
+            mine = None if cache is None else replace(cache, kv=cache.kv.layer(i))
+            x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine)
         return self.norm(x)
 
     def num_parameters(self) -> int:

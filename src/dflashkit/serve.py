@@ -705,6 +705,9 @@ def run(args: argparse.Namespace) -> int:
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
     generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget,
                                   rows=args.max_batch)
+    if generator.engine.fixed_rows:
+        print(f"dflashkit serve: warming up ({args.max_batch} rows: compiling, capturing CUDA graphs)", flush=True)
+        generator.warm_up(target.tokenizer("Hello, world!")["input_ids"])
     app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch,
                     max_queue=args.max_queue, api_key=args.api_key or None,
                     max_body_bytes=int(args.max_body_mb * 2**20), admission=admission)

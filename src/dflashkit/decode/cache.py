@@ -21,6 +21,7 @@ graph captured for b rows serves every later batch of b rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -78,16 +79,21 @@ class KVCache:
         self.k = None if self._k is None else self._k[:, :batch]
         self.v = None if self._v is None else self._v[:, :batch]
 
-    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """k/v [b, kv_heads, t, head_dim] of one layer into slots [b, t] (per row)."""
+    def allocate(self, like: Tensor) -> None:
+        """The buffers, if not there yet, for keys/values shaped as like [b, kv_heads, t, head_dim]."""
         if self.k is None:
-            b, h, _, d = k.shape
-            self._k = k.new_zeros(self.num_layers, b, h, self.capacity, d)
+            b, h, _, d = like.shape
+            self._k = like.new_zeros(self.num_layers, b, h, self.capacity, d)
             self._v = torch.zeros_like(self._k)
             self._view(b)
-        idx = slots[:, None, :, None].expand(k.shape)
-        self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
-        self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
+
+    def layer(self, i: int) -> LayerKV:
+        return LayerKV(self.k[i], self.v[i])
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """k/v [b, kv_heads, t, head_dim] of one layer into slots [b, t] (per row)."""
+        self.allocate(k)
+        self.layer(layer).write(k, v, slots)
 
     def span(self, n: int, bucket: int = 1) -> int:
         """Slots a pass attends over to see the first n: n rounded up to a multiple of `bucket`
@@ -96,7 +102,7 @@ class KVCache:
 
     def view(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
         """Keys and values of slots [0, n) of one layer: [b, kv_heads, n, head_dim] views."""
-        return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
+        return self.layer(layer).view(n)
 
     def commit(self, keep: Sequence[Sequence[int]], width: int | None = None,
                apply: Callable[[Tensor, Tensor, bool, bool], None] | None = None) -> Tensor:
@@ -185,6 +191,25 @@ class KVCache:
         idx = torch.tensor(list(rows), device=self.k.device)
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # rows on dim 1; only committed slots move
             mine[:, idx, :, :n] = theirs[:, :, :, :n]
+
+
+class LayerKV(NamedTuple):
+    """One attention layer's keys and values [b, kv_heads, capacity, head_dim], views of a
+    `KVCache`'s buffers: tensors only, so that a compiled function handed one layer's cache is
+    not specialised on a layer index (one compiled graph serves every layer)."""
+
+    k: Tensor
+    v: Tensor
+
+    def write(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """k/v [b, kv_heads, t, head_dim] into slots [b, t] (per row)."""
+        idx = slots[:, None, :, None].expand(k.shape)
+        self.k.scatter_(2, idx, k.to(self.k.dtype))
+        self.v.scatter_(2, idx, v.to(self.v.dtype))
+
+    def view(self, n: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of slots [0, n): [b, kv_heads, n, head_dim] views."""
+        return self.k[:, :, :n], self.v[:, :, :n]
 
 
 class LinearState:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+MIN_SAVING = 0.1  # a narrower verification pass is a candidate if it costs <= 90 % of the full one
+
 
 @dataclass
 class CostCurve:
@@ -32,6 +34,14 @@ class CostCurve:
         e = expected.tolist()
         rates = {w: e[w - 1] / (self.draft_seconds + s) for w, s in zip(self.widths, self.seconds) if w <= len(e)}
         return max(rates, key=rates.__getitem__)
+
+    def worth_choosing(self) -> CostCurve:
+        """The widths that cost at most (1 - MIN_SAVING) of the full (widest) one, and the full one.
+        Where verification is about free (a GPU at small batch) only the full width is left, and a
+        round runs as without cost-awareness: no read of the draft's confidences, no wait for them."""
+        keep = [i for i, sec in enumerate(self.seconds) if sec <= (1 - MIN_SAVING) * self.seconds[-1]]
+        keep.append(len(self.widths) - 1)
+        return CostCurve([self.widths[i] for i in keep], [self.seconds[i] for i in keep], self.draft_seconds)
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
@@ -51,7 +61,7 @@ def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         seconds.append((time.perf_counter() - t) / reps)
-    return CostCurve(list(widths), seconds)
+    return CostCurve(list(widths), seconds).worth_choosing()
 
 
 def chain_expectation(probs: Tensor) -> Tensor:

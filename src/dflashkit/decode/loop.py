@@ -104,6 +104,8 @@ def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | Non
     b, dev = bonus.shape[0], bonus.device
     if method == "ar":
         return [Tree([], [], [])] * b, bonus[:, None], torch.zeros(b, 1, dtype=torch.long, device=dev), None, None
+    if curve is not None and len(curve.widths) == 1:  # only the full width pays: as without a curve
+        curve = None
     if method == "dflash":  # the chain stays on the device: one host transfer per round, after verify
         if curve is None:
             chain = dlogits.argmax(-1)
@@ -362,6 +364,17 @@ class DecodingGenerator:
         check_request(method, 1, engine.drafter, budget)
         self.engine, self.method, self.budget, self.top_k, self.rows = engine, method, budget, top_k, rows
         self.label = None if method == "ar" else method if method != "ddtree" else f"ddtree-{budget}"
+
+    def warm_up(self, prompt: Sequence[int]) -> None:
+        """Decode `prompt` on every row for a few rounds, untimed and unreported: on an engine with
+        CUDA graphs, the layer functions are compiled and the rounds' graphs captured before the
+        first request, instead of stalling it (and every request that joins) for tens of seconds."""
+        if not self.engine.fixed_rows:
+            return
+        B = self.engine.drafter.config.block_size if self.engine.drafter is not None else 1
+        rows = self.rows or 1
+        generate_batch(self.engine, [torch.tensor(list(prompt))] * rows, max_new_tokens=3 * B + 1,
+                       method=self.method, budget=self.budget, top_k=self.top_k)
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
                        cancelled: Callable[[int], bool] = lambda i: False,
