@@ -637,6 +637,8 @@ def test_cost_curve_picks_the_best_prefix():
     assert flat.best_width(exp) == 5 and steep.best_width(exp) == 1
     assert CostCurve([1, 3, 5], [1.0, 1.4, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
     assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 5  # only measured widths: 3 is not one
+    steep.observe(12.0, 1)  # a round of width 1 took 12 s: 11 s of it were not verification
+    assert steep.overhead_seconds == 11.0 and steep.best_width(exp) == 5  # the fixed cost makes width pay
     # a width is a candidate only if it saves >= 10 % of the full pass (else: decide nothing, as fixed)
     assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).worth_choosing().widths == [8]
     assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).worth_choosing().widths == [1, 2, 8]

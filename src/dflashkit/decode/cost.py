@@ -24,7 +24,7 @@ MIN_SAVING = 0.1  # a narrower verification pass is a candidate if it costs <= 9
 class CostCurve:
     widths: list[int]  # verification widths measured, ascending: the only widths a round verifies
     seconds: list[float]  # one pass of that width
-    draft_seconds: float = 0.0  # one drafter pass (running estimate)
+    overhead_seconds: float = 0.0  # a round's time besides verification: draft, host work, commit (running estimate)
 
     def best_width(self, expected: Tensor) -> int:
         """expected [q_max]: tokens a round yields (summed over rows) when it verifies q = 1..q_max
@@ -32,8 +32,17 @@ class CostCurve:
         measured widths: their cost is known, not interpolated, and each is a pass shape already
         run (with CUDA graphs, a new width would capture new graphs in the middle of decoding)."""
         e = expected.tolist()
-        rates = {w: e[w - 1] / (self.draft_seconds + s) for w, s in zip(self.widths, self.seconds) if w <= len(e)}
+        rates = {w: e[w - 1] / (self.overhead_seconds + s) for w, s in zip(self.widths, self.seconds) if w <= len(e)}
         return max(rates, key=rates.__getitem__)
+
+    def observe(self, round_seconds: float, width: int) -> None:
+        """A round that verified `width` tokens per row took `round_seconds`: what it spent besides
+        verification (the draft and its read-back, the tree, host work, the commit) updates the
+        running estimate, so that a narrower pass is not credited with savings the round's fixed
+        costs eat."""
+        if width in self.widths:
+            other = max(0.0, round_seconds - self.seconds[self.widths.index(width)])
+            self.overhead_seconds = other if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * other
 
     def worth_choosing(self) -> CostCurve:
         """The widths that cost at most (1 - MIN_SAVING) of the full (widest) one, and the full one.
@@ -41,7 +50,7 @@ class CostCurve:
         round runs as without cost-awareness: no read of the draft's confidences, no wait for them."""
         keep = [i for i, sec in enumerate(self.seconds) if sec <= (1 - MIN_SAVING) * self.seconds[-1]]
         keep.append(len(self.widths) - 1)
-        return CostCurve([self.widths[i] for i in keep], [self.seconds[i] for i in keep], self.draft_seconds)
+        return CostCurve([self.widths[i] for i in keep], [self.seconds[i] for i in keep], self.overhead_seconds)
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:

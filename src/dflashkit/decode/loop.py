@@ -282,13 +282,10 @@ def decode_stream(
             if not any(running):  # every joining request ended at its first token
                 continue
         stages.start()
-        t_draft = time.perf_counter()
+        t_round = time.perf_counter()
         dlogits = engine.draft(bonus) if method != "ar" else None  # [b, B-1, V]
         stages.mark("draft")
         trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method, budget, top_k, curve)
-        if curve is not None:  # the tree's host transfer has waited for the draft: its time is known
-            spent = time.perf_counter() - t_draft
-            curve.draft_seconds = spent if not curve.draft_seconds else 0.8 * curve.draft_seconds + 0.2 * spent
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)  # [b, q, V]
         picked = row_tokens(logits, [row.request.sampling if row else Sampling() for row in batch],
@@ -304,6 +301,8 @@ def decode_stream(
         top = _top(logits, record_top) if record_top else None
         engine.commit([path if run else [] for (path, _), run in zip(walks, running)])  # idle rows commit nothing
         bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
+        if curve is not None:  # the host transfer has waited for verification: the round's time is known
+            curve.observe(time.perf_counter() - t_round, tokens.shape[1])
         stages.mark("commit")
         step = []
         for r, (row, tree, (path, last), run) in enumerate(zip(batch, trees, walks, running)):

@@ -360,7 +360,7 @@ class StaticRunner:
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
-        # The layer functions of passes in CUDA graphs and of long eager passes (`_step`'s `compiled`).
+        # The layer functions of passes in CUDA graphs, or of every pass without graphs (`_run`).
         self.compiled = tuple(torch.compile(f, dynamic=True) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
         self.cache: KVCache | None = None
         self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
@@ -384,10 +384,11 @@ class StaticRunner:
 
     def _run(self, step: Callable, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
              commit: Tensor | None, graph: bool = False) -> tuple[Tensor, Tensor]:
-        # Compiled layer functions pay in a graph (replayed without Python) and on long passes; a
-        # short pass outside a graph (a joining prompt) launches faster without their guards
-        # (measured on an H200: 30 against 43 ms per join, docs/benchmarks.md).
-        compiled = graph or tokens.shape[1] > GRAPH_MAX_TOKENS
+        # With CUDA graphs, compiled layer functions run only inside them (compiled in a capture's
+        # warm-up, then replayed without Python). The eager passes beside them have new shapes all
+        # the time (prefills, joins): there the guards cost launch time (30 against 43 ms per join
+        # on an H200), and any new specialisation would compile in the middle of serving.
+        compiled = graph or self.graphed is None
         self.cache = cache
         h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit, compiled)
         if cache.linear is not None:
