@@ -190,8 +190,11 @@ def test_warm_up_captures_what_a_stream_needs(monkeypatch):
     engine = _counting_engine(monkeypatch, captures)
     gen = DecodingGenerator(engine, rows=4)
     gen.warm_up([5, 6, 7])
-    assert captures == {"_step": 1, "_draft_step": 1}, captures
+    # two spans of slots (the warm-up's second prompt crosses into the next; a cache that grows
+    # for it captures again)
+    assert captures["_step"] >= 2 and captures["_draft_step"] >= 2, captures
+    warm = dict(captures)
     params = dict(max_new_tokens=20, temperature=0.0, top_p=1.0, seed=None, stop_ids=set())
     for step in gen.generate_batch([([9, 10, 11, 12], params), ([13, 14], params)]):
         pass
-    assert captures == {"_step": 1, "_draft_step": 1}, captures
+    assert captures == warm, captures

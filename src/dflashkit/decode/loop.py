@@ -371,9 +371,14 @@ class DecodingGenerator:
         if not self.engine.fixed_rows:
             return
         B = self.engine.drafter.config.block_size if self.engine.drafter is not None else 1
-        rows = self.rows or 1
-        generate_batch(self.engine, [torch.tensor(list(prompt))] * rows, max_new_tokens=3 * B + 1,
-                       method=self.method, budget=self.budget, top_k=self.top_k)
+        rows, n = self.rows or 1, 3 * B + 1
+        # Once long enough to cross into the second span of slots (a compiled step that
+        # specialised on the first span recompiles here, not under a request), then as given:
+        # last, so that its graphs are captured over the caches as the long prompt left them.
+        long = (list(prompt) * (self.engine.slot_bucket // max(1, len(prompt)) + 1))[:max(1, self.engine.slot_bucket - B)]
+        for p in (long, list(prompt)):
+            generate_batch(self.engine, [torch.tensor(p)] * rows, max_new_tokens=n, method=self.method,
+                           budget=self.budget, top_k=self.top_k)
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
                        cancelled: Callable[[int], bool] = lambda i: False,
