@@ -17,7 +17,7 @@ def test_fused_weights_are_views_not_copies():
     before = [p.detach().clone() for p in target.model.parameters()]
     ref = generate(static_engine(target, drafter, fuse=False), ids, max_new_tokens=20, method="dflash").tokens
 
-    eng = static_engine(target, drafter, fuse=True)
+    eng = static_engine(target, drafter, fuse=True, pack=False)  # packed weights are copies in oneDNN's layout
     attn, mlp = target.layers[0].self_attn, target.layers[0].mlp
     qkv, gate_up = eng.run.tw[0].qkv, eng.run.tw[0].gate_up
     # The modules now read from the fused buffers: no second copy of those weights stays alive.
@@ -27,7 +27,7 @@ def test_fused_weights_are_views_not_copies():
     assert torch.equal(qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))  # values untouched
 
-    again = static_engine(target, drafter, fuse=True)  # a second engine reuses the buffer
+    again = static_engine(target, drafter, fuse=True, pack=False)  # a second engine reuses the buffer
     assert again.run.tw[0].qkv.data_ptr() == qkv.data_ptr() and again.run.tw[0].gate_up.data_ptr() == gate_up.data_ptr()
     for e in (eng, again):
         assert generate(e, ids, max_new_tokens=20, method="dflash").tokens == ref
@@ -168,7 +168,7 @@ def test_compiled_draft_step_is_one_graph():
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target, num_layers=3)
-    engine = static_engine(target, drafter, cuda_graphs=False)
+    engine = static_engine(target, drafter, cuda_graphs=False, pack=False)  # as on CUDA: no packed weights
     torch._dynamo.reset()
     counters.clear()
     engine.draft_step = torch.compile(engine._draft_step, dynamic=True, backend="eager")
@@ -198,3 +198,21 @@ def test_warm_up_captures_what_a_stream_needs(monkeypatch):
     for step in gen.generate_batch([([9, 10, 11, 12], params), ([13, 14], params)]):
         pass
     assert captures == warm, captures
+
+
+def test_packed_weights_decode_as_the_target():
+    """On the CPU (fp32) the static engine multiplies by oneDNN's packed copies of the weights,
+    the LM head's too: greedy AR and DFlash, alone and ragged, equal the unpacked engine's and
+    the target's own `generate`; the modules keep their own weights."""
+    from dflashkit.decode.loop import generate_batch
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 120, (n,), generator=g) for n in (12, 30, 7)]
+    packed, plain = static_engine(target, drafter), static_engine(target, drafter, pack=False)
+    assert packed.run.packed and packed.run.tw[0].qkv.is_mkldnn and not target.layers[0].mlp.up_proj.weight.is_mkldnn
+    want = [target.model.generate(p[None], max_new_tokens=24, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    for method in ("ar", "dflash"):
+        got = [x.tokens for x in generate_batch(packed, prompts, max_new_tokens=24, method=method)]
+        assert got == want == [x.tokens for x in generate_batch(plain, prompts, max_new_tokens=24, method=method)]

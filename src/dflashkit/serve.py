@@ -661,7 +661,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --max-batch: a request that has waited MS milliseconds joins at the next round "
                    "whatever --join-min-free says (bounds the wait it adds to time to first token; default 100)")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
-                   help="decoding engine: auto = static with CUDA graphs on a GPU where supported, else Transformers")
+                   help="decoding engine: auto = the static runner where supported (CUDA graphs and torch.compile on a GPU, "
+                   "packed weights on a CPU), else Transformers")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine; beyond, HTTP 503 with Retry-After (0 = no limit)")
     p.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"), metavar="KEY",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,14 @@ class Target:
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.get_input_embeddings()(ids)
 
-    def lm_head(self, hidden: Tensor) -> Tensor:
+    def lm_head(self, hidden: Tensor, project: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """hidden [..., H] -> logits [..., V]; project: the head's GEMM done another way (the same
+        weights, e.g. packed for the CPU), instead of the module."""
         head = self.model.get_output_embeddings()
         # One 2-D GEMM: a strided [b, t, H] view (e.g. a block's slots 1..) would otherwise go
         # through a batched matmul with the [V, H] weight broadcast per row (measured 10x slower).
         flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
-        logits = head(flat).view(*hidden.shape[:-1], -1)
+        logits = (project or head)(flat).view(*hidden.shape[:-1], -1)
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma-style models
         return logits if not cap else torch.tanh(logits / cap) * cap
 

@@ -145,6 +145,7 @@ class Engine:
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
+        self.lm_head = target.lm_head  # hidden [..., H] -> logits; the static engine may pack its weight
         self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
         # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
         # CUDA graphs, every new batch size would capture new graphs.
@@ -203,11 +204,11 @@ class Engine:
         if self.dcache is not None:
             self.dcache.start(b, dev)
             self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
-        return self.target.lm_head(last)
+        return self.lm_head(last)
 
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
         h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, ctx_start, start, n)
-        return self.target.lm_head(h[:, 1:])
+        return self.lm_head(h[:, 1:])
 
     @_passes
     def draft(self, bonus: Tensor) -> Tensor:
@@ -233,7 +234,7 @@ class Engine:
         n = max(self.lengths) + q
         self.cache.reserve(n)
         hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
-        return self.target.lm_head(hidden)
+        return self.lm_head(hidden)
 
     def commit(self, paths: Sequence[Sequence[int]]) -> None:
         """Row i keeps the verified nodes paths[i] (root first; empty for an idle row); their
@@ -255,6 +256,7 @@ class Engine:
         # Fresh caches for the m prompts; a runner with CUDA graphs runs them without (its graphs
         # are captured over this engine's cache).
         new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
+        new.lm_head = self.lm_head
         logits = new.prefill(prompts, capacity=0)  # the caches here make the room (`KVCache.put_rows`)
         if self.dcache is not None and self.dcache.k is not None:
             # The drafter takes the prompts' features now, over these m rows only, so that the

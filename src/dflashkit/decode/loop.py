@@ -338,16 +338,17 @@ def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
 
 
 def make_engine(target: Any, drafter: Any, kind: str = "auto") -> Engine:
-    """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': on
-    CUDA, for the targets the static runner supports, static + torch.compile of the layer
-    functions and of the drafter's step + fused q/k/v and gate/up weights (the fastest measured,
-    docs/benchmarks.md), else hf; hybrids with linear attention always run on the static runner
-    (Transformers' layers cannot roll their state back)."""
+    """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': for
+    the targets the static runner supports, on CUDA static + torch.compile of the layer functions
+    and of the drafter's step + fused q/k/v and gate/up weights, on a CPU static (with oneDNN's
+    packed weights in fp32): the fastest measured on each (docs/benchmarks.md); else hf. Hybrids
+    with linear attention always run on the static runner (Transformers' layers cannot roll their
+    state back)."""
     if kind not in ("auto", "hf", "static"):
         raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
     if kind == "auto" and target.device.type == "cuda" and supported(target) is None:
         return static_engine(target, drafter, compile=True, compile_drafter=True)
-    if kind == "static" or (kind == "auto" and "linear_attention" in target.layer_kinds):
+    if kind == "static" or (kind == "auto" and (supported(target) is None or "linear_attention" in target.layer_kinds)):
         return static_engine(target, drafter)
     return Engine(target, drafter)
 

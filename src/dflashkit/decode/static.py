@@ -141,6 +141,14 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
                         w[10], b[10], qkv=qkv_w, gate_up=gate_up, **extra)
 
 
+def _pack_layer(w: LayerWeights) -> LayerWeights:
+    """The projections a layer's step multiplies by, packed (`pack_weight`); a linear-attention mixer's stay."""
+    q, k, v = (w.q, w.k, w.v) if w.qkv is not None else (pack_weight(w.q), pack_weight(w.k), pack_weight(w.v))
+    gate, up = (w.gate, w.up) if w.gate_up is not None else (pack_weight(w.gate), pack_weight(w.up))
+    return w._replace(q=q, k=k, v=v, qkv=pack_weight(w.qkv), o=pack_weight(w.o), gate=gate, up=up,
+                      gate_up=pack_weight(w.gate_up), down=pack_weight(w.down))
+
+
 def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
     la, (gp, up, dp) = layer.linear_attn, _mlp_projections(layer)
     if hasattr(la, "in_proj_qkvz"):  # Qwen3-Next
@@ -209,6 +217,29 @@ def _fuse_rows(mods: list[nn.Module]) -> Tensor:
     return buf
 
 
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """F.linear, or oneDNN's linear for a weight packed by `pack_weight` (CPU)."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+PACK_ROWS = 16  # the row count oneDNN's packed layout is chosen for (it serves any count)
+
+
+def packable(target: Target) -> bool:
+    """Whether packed weights (`pack_weight`) serve this target: fp32 on a CPU with oneDNN. There
+    MKL's GEMM with 2-16 rows (a verification pass) costs up to 2-3x its one-row time, where
+    oneDNN's packed weights cost 1.1-1.3x (SmolLM2 on 2 cores, docs/benchmarks.md)."""
+    return (target.device.type == "cpu" and target.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_weight(w: Tensor | None) -> Tensor | None:
+    """A weight [out, in] in oneDNN's blocked layout for `linear` (a copy: the module keeps its own)."""
+    return None if w is None else torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float, offset: bool = False) -> Tensor:
     # The exact op order of Transformers' Llama/Qwen3 RMSNorm (and the drafter's), or, with
     # offset, Gemma's and Qwen3.5's (1 + w) in fp32.
@@ -236,9 +267,9 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
     h = rms_norm(x, w.ln1, eps, w.offset)
     q_rows = heads * head_dim * (2 if w.gated else 1)
     if w.qkv is not None:
-        yq, yk, yv = F.linear(h, w.qkv).split([q_rows, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        yq, yk, yv = linear(h, w.qkv).split([q_rows, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     else:
-        yq, yk, yv = F.linear(h, w.q, w.qb), F.linear(h, w.k, w.kb), F.linear(h, w.v, w.vb)
+        yq, yk, yv = linear(h, w.q, w.qb), linear(h, w.k, w.kb), linear(h, w.v, w.vb)
     gate = None
     if w.gated:
         yq, gate = yq.reshape(b, t, heads, 2 * head_dim).chunk(2, dim=-1)
@@ -263,7 +294,7 @@ def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | N
         o = o.reshape(b, kv, gt // t, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv * (gt // t) * d)
     if gate is not None:
         o = o * torch.sigmoid(gate)
-    a = F.linear(o, w.o, w.ob)
+    a = linear(o, w.o, w.ob)
     return x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.offset))
 
 
@@ -272,10 +303,10 @@ def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | No
     x = out_proj(x, o, w, eps, gate)
     h = rms_norm(x, w.ln2, eps, w.offset)
     if w.gate_up is not None:
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
     else:
-        gate, up = F.linear(h, w.gate, w.gb), F.linear(h, w.up, w.ub)
-    m = F.linear(ACTIVATIONS["gelu_pytorch_tanh" if w.gelu else "silu"](gate) * up, w.down, w.db)
+        gate, up = linear(h, w.gate, w.gb), linear(h, w.up, w.ub)
+    m = linear(ACTIVATIONS["gelu_pytorch_tanh" if w.gelu else "silu"](gate) * up, w.down, w.db)
     return x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.offset))
 
 
@@ -339,7 +370,7 @@ class StaticRunner:
     """`engine.Runner` over the target's own weights (see the module docstring)."""
 
     def __init__(self, target: Target, layer_ids: list[int], *, cuda_graphs: bool = False, compile: bool = False,
-                 fuse: bool | None = None) -> None:
+                 fuse: bool | None = None, pack: bool | None = None) -> None:
         why = supported(target)
         if why:
             raise ValueError(f"static engine cannot run {target.name}: {why}; use engine 'hf'")
@@ -355,8 +386,13 @@ class StaticRunner:
         self.window = getattr(tc, "sliding_window", None)
         self.gemma = tc.model_type in GEMMA
         self.mrope = tc.model_type in MROPE
-        fuse = target.device.type == "cuda" if fuse is None else fuse  # measured faster on an H200
+        # pack: oneDNN's packed weights (default where `packable`, unless compiling): copies, so
+        # the target's modules keep theirs (for an fp32 135M model, 0.5 GB more).
+        self.packed = (packable(target) and not compile) if pack is None else pack
+        fuse = (target.device.type == "cuda" or self.packed) if fuse is None else fuse  # faster on an H200 / packed
         self.tw = [_weights(layer, fuse) for layer in target.layers]
+        if self.packed:
+            self.tw = [_pack_layer(w) for w in self.tw]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
@@ -456,9 +492,9 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
     h = rms_norm(x, w.ln1, eps, w.offset)
     C, Z = m.qkv.shape[0], m.z.shape[0]
     if m.proj is not None:
-        mixed, z, bb, a = F.linear(h, m.proj).split([C, Z, value_heads, value_heads], dim=-1)
+        mixed, z, bb, a = linear(h, m.proj).split([C, Z, value_heads, value_heads], dim=-1)
     else:
-        mixed, z, bb, a = (F.linear(h, p) for p in (m.qkv, m.z, m.b, m.a))
+        mixed, z, bb, a = (linear(h, p) for p in (m.qkv, m.z, m.b, m.a))
     seq = torch.cat([conv, mixed.to(conv.dtype)], dim=1)  # [b, K-1+t, C]
     q, k, v, g, beta = delta.prepare(delta.causal_conv(seq, src, m.conv, m.conv_b), a, bb, m.A_log, m.dt_bias,
                                      key_heads, value_heads, dk)
@@ -490,12 +526,13 @@ LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix)  # what `StaticRunner(com
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
-                  layer_ids: list[int] | None = None) -> Engine:
+                  layer_ids: list[int] | None = None, pack: bool | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
     target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
     drafter's step. compile_drafter: torch.compile the drafter's whole step
     (its layers, masks and cache writes) before capture. layer_ids: the taps whose features the
-    engine keeps (default: the drafter's)."""
+    engine keeps (default: the drafter's). pack: oneDNN's packed weights for the target's layers
+    and LM head (default: fp32 on a CPU, `packable`)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
@@ -504,8 +541,14 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     runner_graphs = graphs and not any(sparse_mlp(layer) for layer in target.layers)
     if layer_ids is None:
         layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
-    runner = StaticRunner(target, list(layer_ids), cuda_graphs=runner_graphs, compile=compile, fuse=fuse)
+    if pack is None and compile_drafter:  # Dynamo cannot trace oneDNN's packed weights (the drafter's step reads the LM head)
+        pack = False
+    runner = StaticRunner(target, list(layer_ids), cuda_graphs=runner_graphs, compile=compile, fuse=fuse, pack=pack)
     engine = Engine(target, drafter, runner)
+    if runner.packed:  # the LM head too: the largest GEMM of a small model's pass
+        head = target.model.get_output_embeddings()
+        weight = pack_weight(head.weight)
+        engine.lm_head = lambda hidden: target.lm_head(hidden, lambda x: linear(x, weight, head.bias))
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
     if graphs and drafter is not None:
