@@ -179,11 +179,12 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
 
 @pytest.mark.slow
 def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys):
-    """By default the CLI evaluates suites, each at its own answer length; float32 on a CPU: every
-    greedy output identical to autoregressive decoding (no parting to explain)."""
+    """By default the CLI evaluates suites, each at its own answer length, on the default engine
+    (on a CPU in float32: the static runner with packed weights); every greedy output identical
+    to autoregressive decoding (no parting to explain)."""
     root = smol_eval_setup
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
-               "--methods", "dflash", "--engine", "hf", "--out", str(root / "suites"), "target.device=cpu",
+               "--methods", "dflash", "--out", str(root / "suites"), "target.device=cpu",
                "target.dtype=float32"])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((root / "suites" / "report.json").read_text())
