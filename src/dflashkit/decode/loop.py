@@ -346,11 +346,10 @@ def make_engine(target: Any, drafter: Any, kind: str = "auto") -> Engine:
     state back)."""
     if kind not in ("auto", "hf", "static"):
         raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
-    if kind == "auto" and target.device.type == "cuda" and supported(target) is None:
-        return static_engine(target, drafter, compile=True, compile_drafter=True)
-    if kind == "static" or (kind == "auto" and (supported(target) is None or "linear_attention" in target.layer_kinds)):
-        return static_engine(target, drafter)
-    return Engine(target, drafter)
+    if kind == "hf" or (kind == "auto" and supported(target) is not None and "linear_attention" not in target.layer_kinds):
+        return Engine(target, drafter)
+    gpu = kind == "auto" and target.device.type == "cuda"
+    return static_engine(target, drafter, compile=gpu, compile_drafter=gpu)
 
 
 class DecodingGenerator:
@@ -376,7 +375,7 @@ class DecodingGenerator:
         # Once long enough to cross into the second span of slots (a compiled step that
         # specialised on the first span recompiles here, not under a request), then as given:
         # last, so that its graphs are captured over the caches as the long prompt left them.
-        long = (list(prompt) * (self.engine.slot_bucket // max(1, len(prompt)) + 1))[:max(1, self.engine.slot_bucket - B)]
+        long = [prompt[i % len(prompt)] for i in range(max(1, self.engine.slot_bucket - B))]
         for p in (long, list(prompt)):
             generate_batch(self.engine, [torch.tensor(p)] * rows, max_new_tokens=n, method=self.method,
                            budget=self.budget, top_k=self.top_k)
