@@ -110,15 +110,20 @@ class KVCache:
         lengths[i]..., root first; empty: the row commits nothing) and commits them. width: the
         verified block's nodes per row (default: the longest path); apply: `apply`, or the CUDA
         graph of it (`static_engine`). -> the plan on the device [b, width + 1]: each row's kept
-        nodes, then at position j >= len(keep[i]) node j itself (moved onto itself), then its count."""
+        nodes, then at position j >= len(keep[i]) node j itself (moved onto itself), then its count;
+        None when there is no device work (every path a chain, no linear layers)."""
         counts = [len(p) for p in keep]
-        q = max([width or 0, *counts])
-        plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
-        moves, fold = not all(is_chain(p) for p in keep), self.linear is not None and any(counts)
+        moves, fold = not all(map(is_chain, keep)), self.linear is not None and any(counts)
         if fold and self.linear.pending is None:
             raise RuntimeError("KVCache.commit: no verification pass to commit (verify, then commit once)")
-        if moves or fold:
-            (apply or self.apply)(plan, self.lengths_t, moves, fold)
+        if not (moves or fold):  # chains over attention layers: the kept nodes are where they belong
+            if self.linear is not None:
+                self.linear.pending = None
+            self.advance(counts)
+            return None
+        q = max([width or 0, *counts])
+        plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
+        (apply or self.apply)(plan, self.lengths_t, moves, fold)
         if self.linear is not None:
             self.linear.pending = None
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
@@ -283,8 +288,30 @@ def to_device(values: list, device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
+def to_host(t: Tensor) -> Callable[[], list]:
+    """Start copying t to the host; the returned function waits for that copy alone, not for
+    device work queued after it, and gives t's values as lists. On CUDA through pinned memory
+    and an event; elsewhere the values are read at once."""
+    if t.device.type != "cuda":
+        values = t.tolist()
+        return lambda: values
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list:
+        done.synchronize()
+        return buf.tolist()
+
+    return read
+
+
 def is_chain(path: Sequence[int]) -> bool:
-    """A path 0, 1, 2, ...: the verified nodes are already where they are committed."""
+    """A path 0, 1, 2, ...: the verified nodes are already where they are committed. The round
+    loop passes chains as `range`s, known without a look at their nodes."""
+    if isinstance(path, range):
+        return path.start == 0 and path.step == 1
     return list(path) == list(range(len(path)))
 
 

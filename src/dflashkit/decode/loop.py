@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode import cost
-from dflashkit.decode.cache import to_device
+from dflashkit.decode.cache import to_device, to_host
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
@@ -44,6 +44,7 @@ from dflashkit.decode.tree import Tree, build_tree, prefix, walk
 
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
+GREEDY = Sampling()
 
 
 class _Stages:
@@ -96,14 +97,15 @@ def _per_row(value: Any, n: int, name: str) -> list[Any]:
 
 
 def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | None, top_k: int,
-           curve: cost.CostCurve | None = None) -> tuple[list[Tree], Tensor, Tensor, Tensor | None, Tensor | None]:
+           curve: cost.CostCurve | None = None) -> tuple[list[Tree] | None, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Each row's draft tree from the drafter's logits [b, B-1, V], and what verification needs:
-    tokens and depths [b, q], ancestors [b, q, q] (None for chains), and the DFlash chain's
-    tokens still on the device (or None). With a cost `curve`, only the prefix of the draft
+    tokens and depths [b, q], ancestors [b, q, q] (None for chains), and, for a chain per row
+    (DFlash, or AR's chain of no draft token), the chain's draft tokens still on the device
+    [b, q - 1] in place of host trees (None). With a cost `curve`, only the prefix of the draft
     that maximises expected tokens per second is kept (the same size for every row)."""
     b, dev = bonus.shape[0], bonus.device
     if method == "ar":
-        return [Tree([], [], [])] * b, bonus[:, None], torch.zeros(b, 1, dtype=torch.long, device=dev), None, None
+        return None, bonus[:, None], torch.zeros(b, 1, dtype=torch.long, device=dev), None, bonus[:, None][:, :0]
     if curve is not None and len(curve.widths) == 1:  # only the full width pays: as without a curve
         curve = None
     if method == "dflash":  # the chain stays on the device: one host transfer per round, after verify
@@ -113,7 +115,7 @@ def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | Non
             conf, chain = torch.softmax(dlogits.float(), -1).max(-1)
             chain = chain[:, :curve.best_width(cost.chain_expectation(conf.cpu())) - 1]
         depths = torch.arange(chain.shape[1] + 1, device=dev).expand(b, -1)
-        return [], torch.cat([bonus[:, None], chain], 1), depths, None, chain
+        return None, torch.cat([bonus[:, None], chain], 1), depths, None, chain
     lp, ids = torch.log_softmax(dlogits.float(), -1).topk(top_k, dim=-1)
     trees = [build_tree(l, i, budget) for l, i in zip(lp.cpu(), ids.cpu())]
     if curve is not None:
@@ -149,6 +151,18 @@ class _Row:
 
     def extend(self, new: list[int]) -> list[int]:
         return self.res.extend(new, self.limit, self.request.stop_ids)
+
+
+@dataclass
+class _Round:
+    """A round launched on the device whose host side (`decode_stream`'s finish) is still to run."""
+
+    running: list[bool]  # rows that decode in it
+    trees: list[Tree] | None  # None: a chain per row, walked on the device
+    read: Callable[[], list]  # its tokens on the host, waiting for them
+    logits: Tensor | None  # kept for record_top
+    width: int  # verified nodes per row
+    started: float
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
@@ -250,6 +264,46 @@ def decode_stream(
         bonus = torch.cat([bonus, bonus.new_zeros(rows - n)])
     admitted = n  # requests so far: the next one's index
     yield step
+    # Autoregressive rounds need nothing from the host to launch the next one, so without
+    # admissions (which change the batch) the host reads a round's tokens while the next runs.
+    lag = method == "ar" and admit is None and not (record_top or profile)
+    inflight: _Round | None = None
+
+    def finish(rnd: _Round) -> tuple[Step, Tensor | None]:
+        """A launched round's host side: read its tokens, walk the trees, commit what each row
+        keeps (AR rounds committed at launch) -> (the stream step, the next bonus of tree rounds)."""
+        host, tree_bonus = rnd.read(), None
+        if rnd.trees is None:  # chains: [accepted, the target's tokens...] per row
+            paths: list[Sequence[int]] = [range(h[0] + 1) for h in host]  # nodes 0..accepted
+            news = [h[1:h[0] + 2] for h in host]  # accepted draft tokens equal the target's, then its next one
+        else:
+            walks = [walk(t, h) for t, h in zip(rnd.trees, host)]  # (accepted path, the target's token after it)
+            paths = [path for path, _ in walks]
+            news = [[tree.tokens[j - 1] for j in path[1:]] + [last] for tree, (path, last) in zip(rnd.trees, walks)]
+            tree_bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
+        top = _top(rnd.logits, record_top) if record_top else None
+        if method != "ar":
+            engine.commit([path if run else range(0) for path, run in zip(paths, rnd.running)])  # idle rows: nothing
+        if curve is not None:  # the host transfer has waited for verification: the round's time is known
+            curve.observe(time.perf_counter() - rnd.started, rnd.width)
+        stages.mark("commit")
+        step = []
+        now = time.perf_counter()
+        for r, (row, path, new, run) in enumerate(zip(batch, paths, news, rnd.running)):
+            if not run or row.res.finish_reason:  # (a lagged round may follow a row's last one)
+                continue
+            new = row.extend(new)
+            if top is not None:  # the m-th new token was chosen at node path[m]
+                row.res.top += [(top[0][r][j], top[1][r][j]) for j in path[:len(new)]]
+            row.res.accept_lengths.append(len(new))
+            if curve is not None:
+                row.res.draft_sizes.append(rnd.width - 1)
+            row.res.decode_seconds = now - row.t1
+            if profile:
+                row.res.stage_seconds = dict(stages.seconds)
+            step.append((row.index, new, row.res))
+        return step, tree_bonus
+
     curve = None
     if cost_aware and method != "ar":
         top = B if method == "dflash" else budget + 1
@@ -259,6 +313,10 @@ def decode_stream(
     while True:
         running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
         joining = list(admit(sum(running))) if admit is not None else []
+        if inflight is not None and (not any(running) or not (engine.fixed_rows or all(running))):
+            step, inflight = finish(inflight)[0], None  # what runs next, or leaves the batch, depends on it
+            yield step
+            continue
         if not any(running) and not joining:
             break
         if not all(running) and not engine.fixed_rows:  # finished rows leave the batch
@@ -288,37 +346,26 @@ def decode_stream(
         trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method, budget, top_k, curve)
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)  # [b, q, V]
-        picked = row_tokens(logits, [row.request.sampling if row else Sampling() for row in batch],
-                            [row.gen if row else None for row in batch])
+        picked = row_tokens(logits, [row.request.sampling if row else GREEDY for row in batch],
+                            [row.gen if row else None for row in batch])  # [b, q]
         stages.mark("verify")
-        if chain is not None:
-            host = torch.cat([chain, picked], 1).tolist()  # the round's one transfer to the host
-            c = chain.shape[1]
-            trees, host = [Tree.chain(h[:c]) for h in host], [h[c:] for h in host]
+        if chain is not None:  # a chain per row: the walk on the device, the next bonus stays there
+            accepted = (chain == picked[:, :-1]).cumprod(1).sum(1)  # [b] leading draft tokens the target agrees with
+            bonus = picked.gather(1, accepted[:, None])[:, 0]
+            read = to_host(torch.cat([accepted[:, None], picked], 1))  # the round's one transfer to the host
         else:
-            host = picked.tolist()
-        walks = [walk(t, h) for t, h in zip(trees, host)]  # (accepted path, the target's token after it)
-        top = _top(logits, record_top) if record_top else None
-        engine.commit([path if run else [] for (path, _), run in zip(walks, running)])  # idle rows commit nothing
-        bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
-        if curve is not None:  # the host transfer has waited for verification: the round's time is known
-            curve.observe(time.perf_counter() - t_round, tokens.shape[1])
-        stages.mark("commit")
-        step = []
-        for r, (row, tree, (path, last), run) in enumerate(zip(batch, trees, walks, running)):
-            if not run:
-                continue
-            new = row.extend([tree.tokens[j - 1] for j in path[1:]] + [last])
-            if top is not None:  # the m-th new token was chosen at node path[m]
-                row.res.top += [(top[0][r][j], top[1][r][j]) for j in path[:len(new)]]
-            row.res.accept_lengths.append(len(new))
-            if curve is not None:
-                row.res.draft_sizes.append(tokens.shape[1] - 1)
-            row.res.decode_seconds = time.perf_counter() - row.t1
-            if profile:
-                row.res.stage_seconds = dict(stages.seconds)
-            step.append((row.index, new, row.res))
-        yield step
+            read = to_host(picked)
+        rnd = _Round(running, trees, read, logits if record_top else None, tokens.shape[1], t_round)
+        if method == "ar":  # each running row keeps its one node: the commit needs nothing from the host
+            engine.commit([range(1) if run else range(0) for run in running])
+        if not lag:
+            step, tree_bonus = finish(rnd)
+            bonus = bonus if tree_bonus is None else tree_bonus
+            yield step
+            continue
+        if inflight is not None:  # the last round's tokens, read while this one runs on the device
+            yield finish(inflight)[0]
+        inflight = rnd
 
 
 def generate_batch(engine: Engine, prompts: Sequence[Tensor], **kw: Any) -> list[Generation]:
