@@ -45,7 +45,7 @@ import torch
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode.static import runner_features, static_engine
-from dflashkit.decode.tree import walk
+from dflashkit.decode.tree import walk_chains
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
@@ -245,10 +245,10 @@ def compaction_ms(engine: Engine, nodes: int = 8, reps: int = 20) -> float:
     return 1e3 * (time.perf_counter() - t) / reps
 
 
-def accept_everything(tree, tokens):
-    """A stand-in for the acceptance walk that accepts every draft of a chain: rounds do the
-    work of τ = B (timing only: random weights never agree with random drafts)."""
-    return list(range(len(tree) + 1)), tokens[len(tree)]
+def accept_everything(chain, tokens):
+    """A stand-in for the acceptance walk of chains (`tree.walk_chains`) that accepts every draft:
+    rounds do the work of τ = B (timing only: random weights never agree with random drafts)."""
+    return torch.full_like(tokens[:, 0], chain.shape[1]), tokens[:, -1]
 
 
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
@@ -262,13 +262,13 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
     for b in batches:
         for kind in ("tau1", "accept-all"):
             eng = make(target, drafter)
-            loop.walk = accept_everything if kind == "accept-all" else walk
+            loop.walk_chains = accept_everything if kind == "accept-all" else walk_chains
             prompts = [ids[0]] * b
             generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")  # capture graphs / compile
             sync(device)
             gens = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")
             prof = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash", profile=True)[0]
-            loop.walk = walk
+            loop.walk_chains = walk_chains
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
                  "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds,

@@ -40,7 +40,7 @@ from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
 from dflashkit.decode.static import static_engine, supported
-from dflashkit.decode.tree import Tree, build_tree, prefix, walk
+from dflashkit.decode.tree import Tree, build_tree, prefix, walk, walk_chains
 
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
@@ -350,8 +350,7 @@ def decode_stream(
                             [row.gen if row else None for row in batch])  # [b, q]
         stages.mark("verify")
         if chain is not None:  # a chain per row: the walk on the device, the next bonus stays there
-            accepted = (chain == picked[:, :-1]).cumprod(1).sum(1)  # [b] leading draft tokens the target agrees with
-            bonus = picked.gather(1, accepted[:, None])[:, 0]
+            accepted, bonus = walk_chains(chain, picked)
             read = to_host(torch.cat([accepted[:, None], picked], 1))  # the round's one transfer to the host
         else:
             read = to_host(picked)

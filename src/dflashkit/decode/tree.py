@@ -95,6 +95,14 @@ def walk(tree: Tree, tokens: list[int]) -> tuple[list[int], int]:
     return path, tokens[path[-1]]
 
 
+def walk_chains(chain: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """`walk` for a chain per row, on the device (no host read before the next round can be
+    queued): chain [b, m] draft tokens, tokens [b, m + 1] the target's token at the root and at
+    each draft node -> (accepted draft tokens [b], the target's token after them: the next bonus [b])."""
+    accepted = (chain == tokens[:, :-1]).cumprod(1).sum(1)
+    return accepted, tokens.gather(1, accepted[:, None])[:, 0]
+
+
 def visibility(lengths: Tensor, depths: Tensor, ancestors: Tensor, n_slots: int,
                window: int | None = None) -> Tensor:
     """The target's attention rule for one verification pass, over cache slots.
