@@ -225,6 +225,16 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
 
     target = make_tiny_target()
     target.config.max_position_embeddings = 1 << 20  # requests without a short limit run until cancelled
+    # ... and never end on a stop token, which a random model emits now and then (which tokens it
+    # decodes depends on the round a request joined in): the head gives stop tokens no chance.
+    stops = stop_token_ids(tokenizer, None)
+    emb = target.model.get_input_embeddings().weight
+    head = torch.nn.Linear(emb.shape[1], emb.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(emb)
+        head.bias.zero_()
+        head.bias[sorted(stops)] = -1e4
+    target.model.set_output_embeddings(head)
     drafter = make_tiny_drafter(target)
     spy = Spy(DecodingGenerator(Engine(target, drafter)))
     endless = {"prompt": [5, 6, 7, 8], "max_tokens": 100_000, "stream": True}
@@ -245,7 +255,6 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
         b.close()
         assert poll(lambda: health(url)["running"] == 0 and health(url)["cancelled"] == 2)
         assert health(url)["completed"] == 1
-    stops = stop_token_ids(tokenizer, None)
     alone = generate(Engine(target, drafter), torch.tensor(short["prompt"]), max_new_tokens=5, stop_ids=stops)
     assert r.json()["choices"][0]["text"] == tokenizer.decode([t for t in alone.tokens if t not in stops],
                                                               skip_special_tokens=True)
