@@ -258,3 +258,32 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
     alone = generate(Engine(target, drafter), torch.tensor(short["prompt"]), max_new_tokens=5, stop_ids=stops)
     assert r.json()["choices"][0]["text"] == tokenizer.decode([t for t in alone.tokens if t not in stops],
                                                               skip_special_tokens=True)
+
+
+def test_streamed_text_equals_decoding_the_whole_answer(tokenizer):
+    """The server detokenises a streamed answer chunk by chunk (work per new token); at every chunk
+    its text equals decoding all ids so far, multi-byte characters split across chunks and special
+    tokens included; the same for a tokenizer without a fast backend (decoded again each time)."""
+    import random
+
+    from dflashkit.serve import text_so_far
+
+    ids = tokenizer("naïve café — 日本語テキスト, emoji 🙂 and <|im_end|> code: def f(x): return x\n",
+                    add_special_tokens=False)["input_ids"]
+    rng = random.Random(0)
+    ids = ids + [rng.randrange(tokenizer.vocab_size) for _ in range(200)]
+
+    class Slow:  # no backend_tokenizer: the fallback
+        decode = tokenizer.decode
+
+    for tok in (tokenizer, Slow()):
+        step, at = text_so_far(tok), 0
+        while at < len(ids):
+            n = rng.randint(1, 4)
+            text = step(ids[at:at + n])
+            at += n
+            full = tokenizer.decode(ids[:at], skip_special_tokens=True)
+            # a token whose character's bytes are not all there yet is held back (DecodeStream),
+            # where a whole decode shows U+FFFD: equal up to that token
+            assert full.startswith(text) and (text == full or "\ufffd" in full[len(text):]), (at, text, full)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)

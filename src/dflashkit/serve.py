@@ -86,6 +86,31 @@ def deliver(items: list[tuple[_Job, Any]]) -> None:
         loop.call_soon_threadsafe(_put_all, puts)
 
 
+def text_so_far(tok: Any) -> Callable[[list[int]], str]:
+    """Detokenise a growing answer: each call takes the new token ids and returns the whole text so
+    far. With a fast tokenizer through `tokenizers`' DecodeStream (work per new token, where
+    decoding the whole answer again at every chunk is quadratic in its length); else by decoding
+    all ids again."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        from tokenizers.decoders import DecodeStream
+
+        stream, pieces = DecodeStream(skip_special_tokens=True), []
+
+        def step(new: list[int]) -> str:
+            pieces.extend(p for p in (stream.step(backend, t) for t in new) if p is not None)
+            return "".join(pieces)
+
+        return step
+    ids: list[int] = []
+
+    def again(new: list[int]) -> str:
+        ids.extend(new)
+        return tok.decode(ids, skip_special_tokens=True)
+
+    return again
+
+
 def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
     for out, item in puts:
         out.put_nowait(item)
@@ -494,7 +519,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
     async def texts(job: _Job, stops: list[str], holdback: bool) -> AsyncIterator[tuple[str, str | None, dict]]:
         """(new text, finish_reason, stats) as the engine produces tokens; stop strings end the text.
         `holdback` keeps back text that could still become a stop string (streaming)."""
-        ids: list[int] = []  # generated, stop tokens left out
+        detokenize = text_so_far(tok)
         generated = sent = 0
         keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
         try:
@@ -505,8 +530,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
                 if isinstance(item, Exception):
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
                 generated += len(item.token_ids)
-                ids += [t for t in item.token_ids if t not in stop_ids]
-                text = tok.decode(ids, skip_special_tokens=True)
+                text = detokenize([t for t in item.token_ids if t not in stop_ids])
                 cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
                     job.cancelled.set()
