@@ -287,3 +287,42 @@ def test_streamed_text_equals_decoding_the_whole_answer(tokenizer):
             # where a whole decode shows U+FFFD: equal up to that token
             assert full.startswith(text) and (text == full or "\ufffd" in full[len(text):]), (at, text, full)
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_chunks_that_queued_up_stream_as_one_event(tokenizer):
+    """When the event loop falls behind (many streams), a request's chunks that queued up go out as
+    one piece of text (one decode, one event), ending where the chunks end; chunks that arrive one
+    by one still go out one by one. An error after queued chunks comes after their text."""
+    import asyncio
+
+    from dflashkit.serve import texts
+
+    ids = tokenizer("one two three four five six seven eight", add_special_tokens=False)["input_ids"]
+    whole = tokenizer.decode(ids)
+
+    async def run(items: list, spaced: bool) -> list:
+        job = SimpleNamespace(out=asyncio.Queue(), cancelled=threading.Event())
+        out = []
+
+        async def feed():
+            for item in items:
+                job.out.put_nowait(item)
+                if spaced:
+                    await asyncio.sleep(0.001)  # the consumer takes each before the next comes
+
+        feeding = asyncio.create_task(feed())
+        try:
+            async for piece in texts(job, tokenizer, {2}, [], holdback=False):
+                out.append(piece)
+        except Exception as e:
+            out.append(e)
+        await feeding
+        return out
+
+    chunks = [GenerationChunk([t]) for t in ids[:-1]] + [GenerationChunk([ids[-1], 2], "stop", {"x": 1})]
+    queued = asyncio.run(run(chunks + [None], spaced=False))
+    assert queued == [(whole, "stop", {"completion_tokens": len(ids) + 1, "x": 1})]
+    spaced = asyncio.run(run(chunks + [None], spaced=True))
+    assert len(spaced) == len(chunks) and "".join(t for t, _, _ in spaced) == whole
+    failed = asyncio.run(run(chunks[:3] + [RuntimeError("boom")], spaced=False))
+    assert failed[0] == (tokenizer.decode(ids[:3]), None, {}) and "boom" in str(failed[1])
