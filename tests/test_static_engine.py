@@ -216,3 +216,14 @@ def test_packed_weights_decode_as_the_target():
     for method in ("ar", "dflash"):
         got = [x.tokens for x in generate_batch(packed, prompts, max_new_tokens=24, method=method)]
         assert got == want == [x.tokens for x in generate_batch(plain, prompts, max_new_tokens=24, method=method)]
+    # One packed copy per weight for every engine over the target (an evaluation builds several),
+    # made again once a weight changes in place.
+    again = static_engine(target, drafter)
+    assert again.run.tw[0].qkv is packed.run.tw[0].qkv and again.run.tw[1].down is packed.run.tw[1].down
+    with torch.no_grad():
+        target.layers[-1].mlp.down_proj.weight.copy_(torch.randn(target.layers[-1].mlp.down_proj.weight.shape, generator=g))
+    changed = static_engine(target, drafter)
+    assert changed.run.tw[-1].down is not packed.run.tw[-1].down and changed.run.tw[0].qkv is packed.run.tw[0].qkv
+    before, want = want, [target.model.generate(p[None], max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
+                          for p in prompts]
+    assert want != before and [x.tokens for x in generate_batch(changed, prompts, max_new_tokens=24, method="ar")] == want

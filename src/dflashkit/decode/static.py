@@ -141,12 +141,16 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
                         w[10], b[10], qkv=qkv_w, gate_up=gate_up, **extra)
 
 
-def _pack_layer(w: LayerWeights) -> LayerWeights:
-    """The projections a layer's step multiplies by, packed (`pack_weight`); a linear-attention mixer's stay."""
-    q, k, v = (w.q, w.k, w.v) if w.qkv is not None else (pack_weight(w.q), pack_weight(w.k), pack_weight(w.v))
-    gate, up = (w.gate, w.up) if w.gate_up is not None else (pack_weight(w.gate), pack_weight(w.up))
-    return w._replace(q=q, k=k, v=v, qkv=pack_weight(w.qkv), o=pack_weight(w.o), gate=gate, up=up,
-                      gate_up=pack_weight(w.gate_up), down=pack_weight(w.down))
+def _pack_layer(w: LayerWeights, layer: nn.Module) -> LayerWeights:
+    """The projections a layer's step multiplies by, packed (`pack_weight`, kept on `layer`); a
+    linear-attention mixer's stay."""
+    def pack(t: Tensor | None) -> Tensor | None:
+        return pack_weight(t, layer)
+
+    q, k, v = (w.q, w.k, w.v) if w.qkv is not None else (pack(w.q), pack(w.k), pack(w.v))
+    gate, up = (w.gate, w.up) if w.gate_up is not None else (pack(w.gate), pack(w.up))
+    return w._replace(q=q, k=k, v=v, qkv=pack(w.qkv), o=pack(w.o), gate=gate, up=up, gate_up=pack(w.gate_up),
+                      down=pack(w.down))
 
 
 def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
@@ -235,9 +239,21 @@ def packable(target: Target) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_weight(w: Tensor | None) -> Tensor | None:
-    """A weight [out, in] in oneDNN's blocked layout for `linear` (a copy: the module keeps its own)."""
-    return None if w is None else torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+def pack_weight(w: Tensor | None, owner: nn.Module) -> Tensor | None:
+    """A weight [out, in] in oneDNN's blocked layout for `linear`: a copy (the module keeps its
+    own), made once and kept on `owner`, the module that holds the weight, so that every engine
+    over a target shares it (an evaluation builds several) and it lives no longer than the
+    weight. Made again if the weight was replaced or changed in place (its version counter)."""
+    if w is None:
+        return None
+    packs = owner.__dict__.setdefault("_dflashkit_packed", {})
+    ident = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    version = tuple(p._version for p in owner.parameters())  # a fused buffer has a counter of its own
+    if packs.get(ident, (None,))[0] != version:
+        for stale in [k for k, (v, _) in packs.items() if v != version]:
+            del packs[stale]
+        packs[ident] = (version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS))
+    return packs[ident][1]
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float, offset: bool = False) -> Tensor:
@@ -392,7 +408,7 @@ class StaticRunner:
         fuse = (target.device.type == "cuda" or self.packed) if fuse is None else fuse  # faster on an H200 / packed
         self.tw = [_weights(layer, fuse) for layer in target.layers]
         if self.packed:
-            self.tw = [_pack_layer(w) for w in self.tw]
+            self.tw = [_pack_layer(w, layer) for w, layer in zip(self.tw, target.layers)]
         self.norm_w = target.final_norm.weight
         self.rotary = target.model.get_decoder().rotary_emb
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
@@ -547,7 +563,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     engine = Engine(target, drafter, runner)
     if runner.packed:  # the LM head too: the largest GEMM of a small model's pass
         head = target.model.get_output_embeddings()
-        weight = pack_weight(head.weight)
+        weight = pack_weight(head.weight, head)
         engine.lm_head = lambda hidden: target.lm_head(hidden, lambda x: linear(x, weight, head.bias))
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
