@@ -86,53 +86,6 @@ def deliver(items: list[tuple[_Job, Any]]) -> None:
         loop.call_soon_threadsafe(_put_all, puts)
 
 
-_NOTHING = object()  # no item held back
-
-
-async def texts(job: _Job, tok: Any, stop_ids: set[int], stops: list[str],
-                holdback: bool) -> AsyncIterator[tuple[str, str | None, dict]]:
-    """(new text, finish_reason, stats) as the engine produces a job's tokens (stop tokens
-    `stop_ids` left out, detokenised by `tok`); stop strings end the text. `holdback` keeps back
-    text that could still become a stop string (streaming)."""
-    detokenize = text_so_far(tok)
-    generated = sent = 0
-    keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
-    held: Any = _NOTHING
-    try:
-        while True:
-            item, held = (await job.out.get() if held is _NOTHING else held), _NOTHING
-            # Chunks that queued up while the event loop was busy (many streams) go out as one:
-            # one decode, one event, one write, instead of one each.
-            while isinstance(item, GenerationChunk) and not item.finish_reason and not job.out.empty():
-                nxt = job.out.get_nowait()
-                if not isinstance(nxt, GenerationChunk):  # the end or an error: after this text
-                    held = nxt
-                    break
-                item = GenerationChunk(item.token_ids + nxt.token_ids, nxt.finish_reason, nxt.stats)
-            if item is None:
-                return
-            if isinstance(item, Exception):
-                raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
-            generated += len(item.token_ids)
-            text = detokenize([t for t in item.token_ids if t not in stop_ids])
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                job.cancelled.set()
-                yield text[sent:cut], "stop", {"completion_tokens": generated}
-                return
-            if item.finish_reason:
-                yield text[sent:], item.finish_reason, {"completion_tokens": generated, **item.stats}
-                return
-            end = len(text) - keep
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
-                end = min(end, len(text) - 1)
-            if end > sent:
-                yield text[sent:end], None, {}
-                sent = end
-    finally:
-        job.cancelled.set()
-
-
 def text_so_far(tok: Any) -> Callable[[list[int]], str]:
     """Detokenise a growing answer: each call takes the new token ids and returns the whole text so
     far. With a fast tokenizer through `tokenizers`' DecodeStream (work per new token, where
@@ -563,6 +516,38 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
         return dict(max_new_tokens=max_tokens or context - len(ids), temperature=req.temperature, top_p=req.top_p,
                     stop_ids=stop_ids, seed=req.seed, _stops=[s for s in stops if s])
 
+    async def texts(job: _Job, stops: list[str], holdback: bool) -> AsyncIterator[tuple[str, str | None, dict]]:
+        """(new text, finish_reason, stats) as the engine produces tokens; stop strings end the text.
+        `holdback` keeps back text that could still become a stop string (streaming)."""
+        detokenize = text_so_far(tok)
+        generated = sent = 0
+        keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
+        try:
+            while True:
+                item = await job.out.get()
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
+                generated += len(item.token_ids)
+                text = detokenize([t for t in item.token_ids if t not in stop_ids])
+                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    job.cancelled.set()
+                    yield text[sent:cut], "stop", {"completion_tokens": generated}
+                    return
+                if item.finish_reason:
+                    yield text[sent:], item.finish_reason, {"completion_tokens": generated, **item.stats}
+                    return
+                end = len(text) - keep
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                    end = min(end, len(text) - 1)
+                if end > sent:
+                    yield text[sent:end], None, {}
+                    sent = end
+        finally:
+            job.cancelled.set()
+
     async def respond(request: Request, req: Any, ids: list[int], max_tokens: int | None, chat: bool):
         params = prepare(req, ids, max_tokens)
         stops = params.pop("_stops")
@@ -583,7 +568,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
         if not req.stream:
             parts, finish, stats = [], "length", {}
             try:
-                async for text, fin, st in texts(job, tok, stop_ids, stops, holdback=False):
+                async for text, fin, st in texts(job, stops, holdback=False):
                     parts.append(text)
                     finish, stats = fin or finish, st or stats
             finally:
@@ -608,7 +593,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
             try:
                 if chat:
                     yield event(None, None, first=True)
-                async for text, fin, st in texts(job, tok, stop_ids, stops, holdback=True):
+                async for text, fin, st in texts(job, stops, holdback=True):
                     if text:
                         yield event(text, None)
                     if fin:
