@@ -70,20 +70,9 @@ class _Job:
         self.finished = False  # its last chunk (with a finish_reason) was produced
 
     def put(self, item: Any) -> None:
-        deliver([(self, item)])
-
-
-def deliver(items: list[tuple[_Job, Any]]) -> None:
-    """Hand items to their jobs' queues from the worker thread, with one wake-up of each event
-    loop for all of them: a round of 64 streams would otherwise wake the server's loop 64 times
-    (a system call and a lock each, every few milliseconds)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-    for job, item in items:
         if isinstance(item, GenerationChunk) and item.finish_reason:
-            job.finished = True
-        by_loop.setdefault(job.loop, []).append((job.out, item))
-    for loop, puts in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, puts)
+            self.finished = True
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 def text_so_far(tok: Any) -> Callable[[list[int]], str]:
@@ -109,11 +98,6 @@ def text_so_far(tok: Any) -> Callable[[list[int]], str]:
         return tok.decode(ids, skip_special_tokens=True)
 
     return again
-
-
-def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
-    for out, item in puts:
-        out.put_nowait(item)
 
 
 class QueueFull(Exception):
@@ -279,8 +263,8 @@ class Engine:
             steps = self.generator.generate_batch(add(jobs), cancelled=cancelled, admit=admit)
             with closing(steps):
                 for step in steps:
-                    deliver([(self.running[i], chunk) for i, chunk in step])  # the round's chunks at once
                     for i, chunk in step:
+                        self.running[i].put(chunk)
                         if chunk.finish_reason:
                             self._end(self.running.pop(i))
         except Exception as e:  # reported to every request of the batch, the server keeps serving
