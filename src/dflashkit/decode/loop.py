@@ -239,7 +239,9 @@ def decode_stream(
     size it passed through (seconds of stalls for every running row).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot). cost_aware: measure what
+    `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling
+    or recording), AR rounds are read a round late, the next one already running on the device: a
+    row's end is seen a round after it, and that round's token for the row is dropped. cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
     tokens per second (`decode/cost.py`); the sizes chosen go to `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
