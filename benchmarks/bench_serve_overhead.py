@@ -53,12 +53,13 @@ class Free:
                 return
             time.sleep(self.dt)
             step = []
-            for i in [i for i in left if not cancelled(i)] if left else []:
-                k = min(2, left[i])
+            for i in list(left):
+                k = 0 if cancelled(i) else min(2, left[i])
                 left[i] -= k
-                step.append((i, GenerationChunk([300 + i % 50, 301][:k], None if left[i] else "length")))
-            for i in [i for i in list(left) if not left[i] or cancelled(i)]:
-                del left[i]
+                if k:
+                    step.append((i, GenerationChunk([300 + i % 50, 301][:k], None if left[i] else "length")))
+                if not k or not left[i]:
+                    del left[i]
             yield step
 
 

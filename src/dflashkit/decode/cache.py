@@ -116,18 +116,15 @@ class KVCache:
         moves, fold = not all(map(is_chain, keep)), self.linear is not None and any(counts)
         if fold and self.linear.pending is None:
             raise RuntimeError("KVCache.commit: no verification pass to commit (verify, then commit once)")
-        if not (moves or fold):  # chains over attention layers: the kept nodes are where they belong
-            if self.linear is not None:
-                self.linear.pending = None
-            self.advance(counts)
-            return None
-        q = max([width or 0, *counts])
-        plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
-        (apply or self.apply)(plan, self.lengths_t, moves, fold)
+        plan = None  # chains over attention layers need no device work: the kept nodes are where they belong
+        if moves or fold:
+            q = max([width or 0, *counts])
+            plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
+            (apply or self.apply)(plan, self.lengths_t, moves, fold)
         if self.linear is not None:
             self.linear.pending = None
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.lengths_t = self.lengths_t + plan[:, -1]
+        self.lengths_t = self.lengths_t + (to_device(counts, self.lengths_t.device) if plan is None else plan[:, -1])
         return plan
 
     def apply(self, plan: Tensor, lengths: Tensor, moves: bool, fold: bool) -> None:

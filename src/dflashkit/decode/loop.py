@@ -315,7 +315,7 @@ def decode_stream(
     while True:
         running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
         joining = list(admit(sum(running))) if admit is not None else []
-        if inflight is not None and (not any(running) or not (engine.fixed_rows or all(running))):
+        if inflight is not None and (not any(running) or not engine.fixed_rows and not all(running)):
             step, inflight = finish(inflight)[0], None  # what runs next, or leaves the batch, depends on it
             yield step
             continue

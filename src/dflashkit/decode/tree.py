@@ -86,8 +86,6 @@ def walk(tree: Tree, tokens: list[int]) -> tuple[list[int], int]:
 
     Sampled decoding stays lossless: the token at node i was drawn before anyone looked at i's
     children, and reaching i depends only on its ancestors' tokens."""
-    if not tree.tokens:  # an empty tree (a cost-aware prefix of no node): the root alone
-        return [0], tokens[0]
     kids = tree.children()
     path = [0]
     while (nxt := kids[path[-1]].get(tokens[path[-1]])) is not None:
