@@ -6,7 +6,8 @@ sequence for every server) until `--requests` have been sent in all or `--durati
 passed. Before the timed run, every client sends one short untimed request (CUDA-graph capture
 and compilation stay out of the numbers). Reported per server: completion tokens/s over the
 whole run (wall time), time to first token (first streamed text) and request latency, p50 and
-p99, and failed requests.
+p99, failed requests, and how busy the busiest client process was (CPU time over wall time: near
+1.0, the load script, not the server, set the pace; `--client-procs` spreads the clients).
 
 Servers: `--url` points at running ones; `--pythonpath DIR` launches `dflashkit serve` from the
 checkout whose package lies in DIR (e.g. an older commit's `src`, unpacked as below), `--server-cmd CMD`
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import shlex
@@ -65,16 +67,17 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
     return {"ttft": latency if ttft is None else ttft, "latency": latency, "tokens": tokens}
 
 
-async def load(url: str, clients: int, requests: int, duration: float, max_tokens: int,
-               prompts: list[list[dict]], seed: int) -> dict[str, Any]:
-    """The timed run (after one untimed short request per client)."""
+async def _clients(url: str, clients: int, work: list[tuple[list[dict], int]], duration: float,
+                   ready: Any = None, go: Any = None) -> dict[str, Any]:
+    """`clients` streaming clients working through `work` (one untimed short request each first)."""
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        await asyncio.gather(*(one_request(client, url, prompts[i % len(prompts)], 4) for i in range(clients)))
-        rng = random.Random(seed)
-        work = [(prompts[i % len(prompts)], rng.randint(max(1, max_tokens // 4), max_tokens)) for i in range(requests)]
+        await asyncio.gather(*(one_request(client, url, work[i % len(work)][0], 4) for i in range(clients)))
+        if ready is not None:  # one of several processes: start the timed run together
+            ready.put(True)
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
         results: list[dict[str, Any]] = []
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
 
         async def client_loop() -> None:
             while work and time.perf_counter() - t0 < duration:
@@ -86,11 +89,46 @@ async def load(url: str, clients: int, requests: int, duration: float, max_token
 
         await asyncio.gather(*(client_loop() for _ in range(clients)))
         wall = time.perf_counter() - t0
+    return {"results": results, "seconds": wall, "cpu_seconds": time.process_time() - cpu0}
+
+
+def _client_process(url: str, clients: int, work: list, duration: float, ready: Any, go: Any, out: Any) -> None:
+    out.put(asyncio.run(_clients(url, clients, work, duration, ready, go)))
+
+
+def load(url: str, clients: int, requests: int, duration: float, max_tokens: int, prompts: list[list[dict]],
+         seed: int, procs: int = 1) -> dict[str, Any]:
+    """The timed run, its clients spread over `procs` processes so that the load script itself (one
+    event loop parsing every streamed event) does not cap what a server can show."""
+    rng = random.Random(seed)
+    work = [(prompts[i % len(prompts)], rng.randint(max(1, max_tokens // 4), max_tokens)) for i in range(requests)]
+    procs = max(1, min(procs, clients))
+    if procs == 1:
+        parts = [asyncio.run(_clients(url, clients, work, duration))]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+        children = [ctx.Process(target=_client_process, daemon=True,
+                                args=(url, clients // procs + (p < clients % procs), work[p::procs], duration,
+                                      ready, go, out)) for p in range(procs)]
+        for c in children:
+            c.start()
+        for _ in children:
+            ready.get(timeout=600)
+        go.set()
+        parts = [out.get() for _ in children]
+        for c in children:
+            c.join()
+    results = [r for part in parts for r in part["results"]]
+    wall = max(part["seconds"] for part in parts)
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok)
+    # Near 1, a client process was busy all the time: the load script may be what caps throughput.
+    busy = max(part["cpu_seconds"] / part["seconds"] for part in parts if part["seconds"] > 0)
     return {"requests": len(ok), "failed": len(results) - len(ok), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             **{f"{key}_p{q}": percentile([r[key] for r in ok], q) for key in ("ttft", "latency") for q in (50, 99)},
+            "client_procs": procs, "client_busy": busy,
             "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
 
 
@@ -104,12 +142,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["server", "requests", "failed", "tokens", "seconds", "tokens/s", "TTFT p50", "TTFT p99", "latency p50",
-            "latency p99"]
+            "latency p99", "client busy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(f"| {r['server']} | {r['requests']} | {r['failed']} | {r['tokens']} | {r['seconds']:.1f} | "
                      f"{r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} s | {r['ttft_p99']:.2f} s | "
-                     f"{r['latency_p50']:.2f} s | {r['latency_p99']:.2f} s |")
+                     f"{r['latency_p50']:.2f} s | {r['latency_p99']:.2f} s | "
+                     f"{r['client_busy']:.2f} x {r['client_procs']} |")
     return "\n".join(lines)
 
 
@@ -127,6 +166,9 @@ def main() -> None:
                    help="more arguments for one launched server, after --server-args: give it once per launched "
                    "server, in order (--pythonpath ones, then --server-cmd ones); write --extra-args=ARGS")
     p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
+    p.add_argument("--client-procs", type=int, default=min(4, max(1, (os.cpu_count() or 2) // 4)), metavar="N",
+                   help="spread the clients over N processes (default: %(default)s here, a quarter of the cores "
+                   "up to 4); the table's 'client busy' near 1.0 means the load script itself was the limit")
     p.add_argument("--requests", type=int, default=None, help="requests in all (default: 4 per client)")
     p.add_argument("--duration", type=float, default=600.0, help="stop sending new requests after S seconds")
     p.add_argument("--max-tokens", type=int, default=128, help="largest max_tokens of a request (default 128)")
@@ -155,12 +197,13 @@ def main() -> None:
     rows = []
     for label, cmd, env, more in servers:
         if cmd is None:
-            result = asyncio.run(load(label, args.clients, requests, args.duration, args.max_tokens, prompts, args.seed))
+            result = load(label, args.clients, requests, args.duration, args.max_tokens, prompts, args.seed,
+                          args.client_procs)
         else:
             argv = [*cmd, "--port", "0", *shlex.split(args.server_args), *shlex.split(more)]
             with subprocess_server(argv, {**os.environ, **env}, args.start_timeout) as url:
-                result = asyncio.run(load(url, args.clients, requests, args.duration, args.max_tokens, prompts,
-                                          args.seed))
+                result = load(url, args.clients, requests, args.duration, args.max_tokens, prompts, args.seed,
+                              args.client_procs)
         rows.append({"server": label, "clients": args.clients, "max_tokens": args.max_tokens,
                      "server_args": f"{args.server_args} {more}".strip() if cmd else None, **result})
         print(table(rows[-1:]).splitlines()[-1], flush=True)

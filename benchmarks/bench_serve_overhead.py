@@ -14,7 +14,6 @@ path under the load of `bench_serve.py` over a generator that costs nothing.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import socket
@@ -98,6 +97,7 @@ def main() -> None:
     p.add_argument("--lengths", default="128,512,2048", help="answer lengths for the detokenisation table")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--requests", type=int, default=1024)
+    p.add_argument("--client-procs", type=int, default=1, metavar="N", help="spread the clients over N processes")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rows", type=int, default=64, help="the server's --max-batch")
     p.add_argument("--round-ms", type=float, default=4.0)
@@ -123,7 +123,7 @@ def main() -> None:
             except httpx.HTTPError:
                 time.sleep(0.1)
         prompts = [c.messages for c in load_suite("humaneval")]
-        r = asyncio.run(load(url, args.clients, args.requests, args.duration, args.max_tokens, prompts, 0))
+        r = load(url, args.clients, args.requests, args.duration, args.max_tokens, prompts, 0, args.client_procs)
     finally:
         child.terminate()
         child.wait(30)
