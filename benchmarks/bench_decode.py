@@ -304,6 +304,37 @@ def long_context(target: Target, drafter: DFlashDrafter, lengths: list[int], new
     return out
 
 
+KERNEL_KINDS = (("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
+                ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+                ("copy", ("memcpy", "memset", "copy", "cat", "index")),
+                ("fused elementwise / reduction (triton)", ("triton",)))
+
+
+def kernel_table(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int, top: int) -> dict:
+    """Where a round's device time goes: the generation profiled (after `measure` warmed it up),
+    kernels grouped by kind and the `top` largest, in microseconds per round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = ids.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        g = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)
+        sync(ids.device)
+    rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    rows = sorted([r for r in rows if r[1] > 0], key=lambda r: -r[1])
+    per_round = {"rounds": g.rounds, "total_us": sum(r[1] for r in rows) / g.rounds, "kinds": {},
+                 "top": [{"kernel": k[:120], "us": t / g.rounds, "launches": c / g.rounds} for k, t, c in rows[:top]]}
+    for k, t, c in rows:
+        kind = next((name for name, keys in KERNEL_KINDS if any(x in k.lower() for x in keys)), "other")
+        d = per_round["kinds"].setdefault(kind, {"us": 0.0, "launches": 0.0})
+        d["us"] += t / g.rounds
+        d["launches"] += c / g.rounds
+    print(f"  kernels per round: {per_round['total_us']:.0f} us in all; "
+          + ", ".join(f"{k} {v['us']:.0f} us ({v['launches']:.0f} launches)" for k, v in per_round["kinds"].items()))
+    for r in per_round["top"]:
+        print(f"    {r['us']:8.1f} us {r['launches']:6.1f}x  {r['kernel']}")
+    return per_round
+
+
 def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int) -> dict:
     generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)  # capture graphs / compile
     prof = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget, profile=True)
@@ -340,6 +371,9 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=480, help="seconds; later engines are skipped past it")
     ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
     ap.add_argument("--long", type=int, default=0, help="also time a round after a prompt of this many tokens")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile each measured generation: device time per round by kernel kind and the N "
+                    "largest kernels")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -406,6 +440,8 @@ def main() -> int:
                 r["tree_share"] = s.get("tree", 0.0) / r["staged_round_ms"]
                 print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
+            if args.kernels and "error" not in r:
+                r["kernels"] = kernel_table(eng, ids, method, budget, n, args.kernels)
             if name != "hf" and budget == budgets[-1] and "error" not in r and not hybrid:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)
                 print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
