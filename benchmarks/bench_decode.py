@@ -59,24 +59,31 @@ QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, 
 TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
-SHAPES = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3.6-27b": (QWEN36_27B, TINY_HYBRID)}  # (real, --tiny)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64)  # a Llama: the real testbed's shapes, random weights
+SHAPES = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3.6-27b": (QWEN36_27B, TINY_HYBRID), "smollm2": (SMOLLM2, TINY)}  # (real, --tiny)
+DRAFTER_LAYERS = {"smollm2": 4}  # the bundled drafter's; else 5, as the published Qwen3 drafters
 
 
-def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_layers: int) -> tuple[Target, DFlashDrafter]:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_layers: int,
+                llama: bool = False) -> tuple[Target, DFlashDrafter]:
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(0)
     hybrid = "linear_num_key_heads" in shape
     if hybrid:  # three Gated DeltaNet layers, then one full attention, as in Qwen3.5 / 3.6
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(shape["num_hidden_layers"])]
         cfg = Qwen3_5TextConfig(**shape, layer_types=types, max_position_embeddings=262144, tie_word_embeddings=False)
+    elif llama:  # SmolLM2: tied embeddings
+        cfg = LlamaConfig(**shape, max_position_embeddings=8192, rope_theta=100_000.0, tie_word_embeddings=True)
     else:
         cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(cfg)
+            model = (Qwen3_5ForCausalLM if hybrid else LlamaForCausalLM if llama else Qwen3ForCausalLM)(cfg)
     finally:
         torch.set_default_dtype(prev)
     target = Target(model.to(device=device, dtype=dtype), None, name=f"{cfg.model_type}-random")
@@ -252,7 +259,7 @@ def accept_everything(chain, tokens):
 
 
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
-               device: torch.device) -> dict:
+               device: torch.device, kernels: int = 0) -> dict:
     """DFlash rounds of the fused engine (graphs elsewhere off) at each batch size: τ = 1 (random
     drafts) and every draft accepted (`accept_everything`)."""
     from dflashkit.decode import loop
@@ -268,6 +275,9 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
             sync(device)
             gens = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")
             prof = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash", profile=True)[0]
+            if kernels and kind == "tau1":
+                out[f"b{b}-kernels"] = kernel_table(
+                    lambda: generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")[0], device, kernels)
             loop.walk_chains = walk_chains
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
@@ -310,15 +320,15 @@ KERNEL_KINDS = (("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk"))
                 ("fused elementwise / reduction (triton)", ("triton",)))
 
 
-def kernel_table(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int, top: int) -> dict:
-    """Where a round's device time goes: the generation profiled (after `measure` warmed it up),
+def kernel_table(run, device: torch.device, top: int) -> dict:
+    """Where a round's device time goes: `run()` (a generation, already warmed up) profiled, its
     kernels grouped by kind and the `top` largest, in microseconds per round."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = ids.device.type == "cuda"
+    cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        g = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)
-        sync(ids.device)
+        g = run()
+        sync(device)
     rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total, e.count) for e in prof.key_averages()]
     rows = sorted([r for r in rows if r[1] > 0], key=lambda r: -r[1])
     per_round = {"rounds": g.rounds, "total_us": sum(r[1] for r in rows) / g.rounds, "kinds": {},
@@ -400,7 +410,8 @@ def main() -> int:
         save()
         return 0
     t_build = time.perf_counter()
-    target, drafter = make_models(shape, device, dtype, drafter_layers=2 if args.tiny else 5)
+    target, drafter = make_models(shape, device, dtype, drafter_layers=2 if args.tiny else DRAFTER_LAYERS.get(args.target, 5),
+                                  llama=args.target == "smollm2")
     res["build_s"] = time.perf_counter() - t_build
     tb, db = weight_bytes(target.model), weight_bytes(drafter)
     res.update(target_gb=tb / 1e9, drafter_gb=db / 1e9)
@@ -441,7 +452,8 @@ def main() -> int:
                 print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
             if args.kernels and "error" not in r:
-                r["kernels"] = kernel_table(eng, ids, method, budget, n, args.kernels)
+                r["kernels"] = kernel_table(lambda: generate(eng, ids, max_new_tokens=n, method=method, budget=budget),
+                                            device, args.kernels)
             if name != "hf" and budget == budgets[-1] and "error" not in r and not hybrid:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)
                 print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
@@ -460,7 +472,8 @@ def main() -> int:
             print(f"{name:9s} {label:10s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
                   f"{s.get('verify', 0):7.2f} {s.get('commit', 0):7.2f} {100 * r['tree_share']:6.1f}%")
     if args.batches:
-        res["batched"] = batch_rows(target, drafter, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, device)
+        res["batched"] = batch_rows(target, drafter, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, device,
+                                    args.kernels)
         save()
     if args.long:
         res["long_context"] = long_context(target, drafter, [args.prompt_len, args.long], args.new_tokens, device)
