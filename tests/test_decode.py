@@ -644,6 +644,8 @@ def test_cost_curve_picks_the_best_prefix():
     # a width is a candidate only if it saves >= 10 % of the full pass (else: decide nothing, as fixed)
     assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).worth_choosing().widths == [8]
     assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).worth_choosing().widths == [1, 2, 8]
+    # a width must also repay the stall of reading the confidences before verifying
+    assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0], stall_seconds=0.35).worth_choosing().widths == [1, 8]
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation([[0.0, -0.693147, -1e9]], 3), torch.tensor([1.0, 2.0, 2.5, 2.5]))
 

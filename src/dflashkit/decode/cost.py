@@ -25,6 +25,7 @@ class CostCurve:
     widths: list[int]  # verification widths measured, ascending: the only widths a round verifies
     seconds: list[float]  # one pass of that width
     overhead_seconds: float = 0.0  # a round's time besides verification: draft, host work, commit (running estimate)
+    stall_seconds: float = 0.0  # what a round loses by reading the draft's confidences before it verifies
 
     def best_width(self, expected: Tensor) -> int:
         """expected [q_max]: tokens a round yields (summed over rows) when it verifies q = 1..q_max
@@ -45,20 +46,25 @@ class CostCurve:
             self.overhead_seconds = other if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * other
 
     def worth_choosing(self) -> CostCurve:
-        """The widths that cost at most (1 - MIN_SAVING) of the full (widest) one, and the full one.
-        Where verification is about free (a GPU at small batch) only the full width is left, and a
-        round runs as without cost-awareness: no read of the draft's confidences, no wait for them."""
-        keep = [i for i, sec in enumerate(self.seconds) if sec <= (1 - MIN_SAVING) * self.seconds[-1]]
+        """The widths that, with the stall of reading the confidences, cost at most (1 - MIN_SAVING) of
+        the full (widest) one, and the full one. Where verification is about free (a GPU at small
+        batch) only the full width is left, and a round runs as without cost-awareness: no read of
+        the draft's confidences, no wait for them."""
+        bar = (1 - MIN_SAVING) * self.seconds[-1]
+        keep = [i for i, sec in enumerate(self.seconds) if sec + self.stall_seconds <= bar]
         keep.append(len(self.widths) - 1)
-        return CostCurve([self.widths[i] for i in keep], [self.seconds[i] for i in keep], self.overhead_seconds)
+        return CostCurve([self.widths[i] for i in keep], [self.seconds[i] for i in keep], self.overhead_seconds,
+                         self.stall_seconds)
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
-    """Time verification passes of each width on the engine's current rows (after a prefill).
-    Nothing is committed: the passes write past every row's length, where the next round writes."""
+    """Time verification passes of each width on the engine's current rows (after a prefill), and
+    the stall of a host read between passes (on a GPU, fixed-width rounds queue their work behind
+    each other; a round that must read the draft's confidences first cannot). Nothing is
+    committed: the passes write past every row's length, where the next round writes."""
     b, dev = engine.batch, engine.target.device
-    seconds = []
-    for q in widths:
+
+    def timed(q: int, read: bool, reps: int = reps) -> float:
         tokens = torch.zeros(b, q, dtype=torch.long, device=dev)
         depths = torch.arange(q, device=dev).expand(b, -1)
         engine.verify(tokens, depths)  # warm-up (graph capture, compilation)
@@ -66,11 +72,18 @@ def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
             torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(reps):
-            engine.verify(tokens, depths)
+            logits = engine.verify(tokens, depths)
+            if read:
+                logits[:, 0, :1].cpu()
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        seconds.append((time.perf_counter() - t) / reps)
-    return CostCurve(list(widths), seconds).worth_choosing()
+        return (time.perf_counter() - t) / reps
+
+    seconds = [timed(q, read=False) for q in widths]
+    stall = 0.0
+    if dev.type == "cuda":  # the difference of two timings: more passes than for the curve
+        stall = max(0.0, timed(widths[-1], read=True, reps=10) - timed(widths[-1], read=False, reps=10))
+    return CostCurve(list(widths), seconds, stall_seconds=stall).worth_choosing()
 
 
 def chain_expectation(probs: Tensor) -> Tensor:
