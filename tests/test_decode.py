@@ -663,3 +663,71 @@ def test_cost_aware_drafting_is_lossless(tiny_target, engine):
         assert [g.tokens for g in gens] == refs, method
         top = drafter.config.block_size - 1 if method == "dflash" else budget
         assert all(len(g.draft_sizes) == g.rounds and all(0 <= s <= top for s in g.draft_sizes) for g in gens)
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_rounds_without_a_draft_leave_the_drafter_its_whole_context(tiny_target, engine):
+    """Cost-aware decoding may run autoregressive rounds on an engine with a drafter: the drafter's
+    next draft (after more rounds than a block) equals the draft of an engine prefilled with
+    every committed token, for ragged rows and an idle one."""
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = [p[0] for p in ragged_prompts(3, (11, 6, 9))]
+    eng = ENGINES[engine](tiny_target, drafter)
+    bonus = eng.prefill(prompts, capacity=64).argmax(-1)
+    eng.draft(bonus)  # a draft round first: its features, then those of the rounds without one
+    out = [[] for _ in prompts]
+    k = drafter.config.block_size + 3
+    for i in range(k):
+        run = [True, i < 4, True]  # row 1 goes idle after 4 rounds
+        logits = eng.verify(bonus[:, None], torch.zeros(len(prompts), 1, dtype=torch.long))
+        eng.commit([range(1) if r else range(0) for r in run])
+        for j, r in enumerate(run):
+            if r:
+                out[j].append(int(bonus[j]))
+        bonus = torch.where(torch.tensor(run), logits[:, 0].argmax(-1), bonus)
+    got = eng.draft(bonus)
+    ref_eng = ENGINES[engine](tiny_target, drafter)
+    full = [torch.cat([p, torch.tensor(o, dtype=torch.long)]) for p, o in zip(prompts, out)]
+    ref_bonus = ref_eng.prefill(full, capacity=64).argmax(-1)
+    assert ref_bonus.tolist() == bonus.tolist()
+    torch.testing.assert_close(got, ref_eng.draft(ref_bonus), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, monkeypatch):
+    """Rounds that skip the draft, mixed with rounds that draft (here: drafting every third
+    round), give the target's own greedy outputs; the skipped drafts are recorded as size 0."""
+    from dflashkit.decode import cost
+
+    monkeypatch.setattr(cost.Drafting, "choose", lambda self: self.rounds % 3 == 0)
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = ragged_prompts(7, (15, 9, 21))
+    refs = [greedy_reference(tiny_target, p, 40) for p in prompts]
+    for method, budget in [("dflash", None), ("ddtree", 12)]:
+        eng, drafts = ENGINES[engine](tiny_target, drafter), []
+        draft = eng.draft
+        eng.draft = lambda bonus: drafts.append(1) or draft(bonus)
+        gens = generate_batch(eng, prompts, max_new_tokens=40, method=method, budget=budget, cost_aware=True)
+        assert [g.tokens for g in gens] == refs, method
+        rounds = max(g.rounds for g in gens)
+        assert len(drafts) == (rounds + 2) // 3 and all(0 in g.draft_sizes for g in gens)
+
+
+def test_drafting_pays_or_steps_aside():
+    """Draft while τ · t_ar >= t_draft, from the rounds run; every 16th round tries the other side."""
+    from dflashkit.decode.cost import Drafting
+
+    d = Drafting()
+    assert d.choose()  # nothing known: draft first
+    d.observe(True, 2.0, 1.5)
+    assert not d.choose()  # then measure a round without a draft
+    d.observe(False, 1.0, None)
+    picks = []
+    for _ in range(32):
+        picks.append(d.choose())
+        d.observe(picks[-1], 2.0 if picks[-1] else 1.0, 1.5 if picks[-1] else None)
+    assert picks.count(True) == 2  # 1.5 tokens in 2 s against 1 in 1 s: only the exploration rounds draft
+    d = Drafting()
+    d.observe(True, 2.0, 3.0)
+    d.observe(False, 1.0, None)
+    assert d.choose()  # 3 tokens in 2 s: drafting pays

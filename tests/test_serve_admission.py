@@ -104,14 +104,15 @@ def test_waiting_requests_join_in_groups():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_grouped_joins_over_the_round_loop(graphs, monkeypatch):
+@pytest.mark.parametrize("graphs,cost_aware", [(False, False), (True, False), (False, True)])
+def test_grouped_joins_over_the_round_loop(graphs, cost_aware, monkeypatch):
     """The real round loop (tiny random target and drafter, DFlash): requests submitted while a
     batch runs join it in groups (with no time bound, only when 2 rows are free or nothing
     runs), and each stream, complete, is what the request decodes alone; whatever round each
     arrives in, no request is lost. graphs: the CUDA-graph engine's fixed rows (graphs counted on
     CPU): the stream that starts with one request holds the server's 3 rows from the start, so
-    one set of graphs serves it."""
+    one set of graphs serves it. cost_aware: rounds with and without a draft alternate (joins
+    land between either kind)."""
     import torch
 
     from conftest import make_tiny_drafter, make_tiny_target
@@ -119,6 +120,10 @@ def test_grouped_joins_over_the_round_loop(graphs, monkeypatch):
     from dflashkit.decode.loop import DecodingGenerator, generate
     from test_static_engine import _counting_engine
 
+    from dflashkit.decode import cost
+
+    if cost_aware:
+        monkeypatch.setattr(cost.Drafting, "choose", lambda self: self.rounds % 3 != 1)
     captures: dict[str, int] = {}
     decoder = _counting_engine(monkeypatch, captures) if graphs else None
     target = decoder.target if graphs else make_tiny_target()
@@ -128,7 +133,7 @@ def test_grouped_joins_over_the_round_loop(graphs, monkeypatch):
     params = lambda n: dict(max_new_tokens=n, temperature=0.0, top_p=1.0, seed=None, stop_ids=set())  # noqa: E731
 
     async def serve() -> list[list[int]]:
-        engine = Engine(DecodingGenerator(decoder or Decoder(target, drafter), rows=3), max_batch=3,
+        engine = Engine(DecodingGenerator(decoder or Decoder(target, drafter), rows=3, cost_aware=cost_aware), max_batch=3,
                         admission=Admission(min_free=2, max_wait_s=math.inf))
         jobs = [engine.submit(prompts[0], **params(limits[0]))]
         first = await asyncio.wait_for(jobs[0].out.get(), WAIT)  # the long request decodes

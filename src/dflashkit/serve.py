@@ -673,6 +673,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", metavar="DIR", help="speculative decoding with this drafter (reference format); "
                    "acceptance statistics are added to each response's usage block")
     p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
+    p.add_argument("--cost-aware", action="store_true",
+                   help="with --drafter: measure what verification costs at this batch size and verify only the draft "
+                   "prefix that pays; draft at all only while drafting rounds give more tokens per second than "
+                   "autoregressive ones (a large batch on a GPU, or a CPU, may be faster without)")
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")
@@ -728,8 +732,10 @@ def run(args: argparse.Namespace) -> int:
 
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
+    if args.cost_aware and drafter is None:
+        raise ValueError("--cost-aware needs --drafter DIR")
     generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget,
-                                  rows=args.max_batch)
+                                  rows=args.max_batch, cost_aware=args.cost_aware)
     if generator.engine.fixed_rows:
         print(f"dflashkit serve: warming up ({args.max_batch} rows: compiling, capturing CUDA graphs)", flush=True)
         generator.warm_up(target.tokenizer("Hello, world!")["input_ids"])

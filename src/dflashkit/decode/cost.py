@@ -11,8 +11,10 @@ Lossless either way: it only decides how much of the draft is verified.
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -55,6 +57,38 @@ class CostCurve:
         keep.append(len(self.widths) - 1)
         return CostCurve([self.widths[i] for i in keep], [self.seconds[i] for i in keep], self.overhead_seconds,
                          self.stall_seconds)
+
+
+@dataclass
+class Drafting:
+    """Whether a round drafts at all. A round with a draft yields τ tokens per running row in
+    t_draft seconds, one without (an autoregressive step of the same rows) 1 token in t_ar: draft
+    while τ · t_ar >= t_draft. Both sides are estimated from the rounds actually run (medians of
+    the last few: a first round that captures CUDA graphs is an outlier), and every `explore`-th
+    round runs the side not chosen, so that the estimates follow the text (τ) and the batch."""
+
+    explore: int = 16
+    draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
+    ar_s: deque = field(default_factory=lambda: deque(maxlen=5))
+    taus: deque = field(default_factory=lambda: deque(maxlen=8))
+    rounds: int = 0
+
+    def choose(self) -> bool:
+        """True: the next round drafts."""
+        if not self.draft_s:
+            return True
+        if not self.ar_s:
+            return False
+        best = statistics.fmean(self.taus) * statistics.median(self.ar_s) >= statistics.median(self.draft_s)
+        return best != (self.rounds % self.explore == self.explore - 1)
+
+    def observe(self, drafted: bool, seconds: float, tau: float | None) -> None:
+        """A round ran: with a draft or not, its wall time, and (with a draft) the tokens it gave
+        per running row."""
+        (self.draft_s if drafted else self.ar_s).append(seconds)
+        if drafted and tau is not None:
+            self.taus.append(tau)
+        self.rounds += 1
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:

@@ -136,6 +136,18 @@ def new_cache(target: Target) -> KVCache:
     return KVCache(len(kinds) - n_linear, linear)
 
 
+def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence[int]) -> tuple[Tensor, list[int]]:
+    """Row-wise concatenation of ragged rows: a [n, wa, D] whose row i holds a_counts[i] items,
+    then b [n, wb, D] with b_counts[i] -> [n, max(a_counts + b_counts), D] and the counts (slots
+    past a row's count hold copies of its items, never read)."""
+    ca = torch.tensor(list(a_counts), device=a.device)[:, None]
+    w = max(x + y for x, y in zip(a_counts, b_counts))
+    j = torch.arange(w, device=a.device)[None]
+    idx = torch.where(j < ca, j, a.shape[1] + (j - ca).clamp(max=b.shape[1] - 1)).clamp(max=a.shape[1] + b.shape[1] - 1)
+    both = torch.cat([a, b], 1)
+    return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
+
+
 class Engine:
     """b sequences of one target (and drafter). Host-side facts (lengths) are kept on the host,
     so a round needs one device-to-host transfer: the verified tokens."""
@@ -200,7 +212,7 @@ class Engine:
             here = hidden.gather(1, at)[:, 0]
             last = here if last is None else torch.where(((ends >= off) & (ends < off + q))[:, None], here, last)
             self.cache.advance(counts)
-        self.pending, self.pending_counts = torch.cat(feats, 1), lens
+        self.pending, self.pending_counts, self.pending_read = torch.cat(feats, 1), lens, False
         if self.dcache is not None:
             self.dcache.start(b, dev)
             self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
@@ -214,7 +226,8 @@ class Engine:
     def draft(self, bonus: Tensor) -> Tensor:
         """bonus [b] at positions `lengths` -> drafter logits [b, B-1, V] for the next B-1 positions."""
         B, dc = self.drafter.config.block_size, self.dcache
-        feats, step = self.pending, self._draft_step  # the prompt's context: any length, run as it is
+        # The prompt's context, or what rounds without a draft left: any length, run as it is.
+        feats, step, self.pending_read = self.pending, self._draft_step, True
         if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
             step = self.draft_step if dc.k is not None else step  # buffers are allocated outside any graph
@@ -242,10 +255,15 @@ class Engine:
         plan = self.cache.commit(paths, self.verified.shape[1], self.commit_step)
         q = max(len(p) for p in paths)
         if all(is_chain(p) for p in paths):
-            self.pending = self.verified[:, :q]
+            new = self.verified[:, :q]
         else:  # the plan's first q columns: each path, padded with nodes whose features are never read
-            self.pending = self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
-        self.pending_counts = [len(p) for p in paths]
+            new = self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
+        counts = [len(p) for p in paths]
+        if self.pending_read or self.drafter is None:
+            self.pending, self.pending_counts = new, counts
+        else:  # a round without a draft (cost-aware decoding): the drafter's next context grows
+            self.pending, self.pending_counts = ragged_cat(self.pending, self.pending_counts, new, counts)
+        self.pending_read = False
 
     @_passes
     def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
@@ -271,6 +289,8 @@ class Engine:
         if self.dcache is not None:
             self.dcache.put_rows(new.dcache, rows)
             self.dcache.reserve(capacity + self.drafter.config.block_size)
+        if self.pending_read:  # the batch's rows have no features left for the drafter
+            self.pending_counts, self.pending_read = [0] * len(self.pending_counts), False
         w, extra = max(self.pending.shape[1], new.pending.shape[1]), self.batch - len(self.pending_counts)
         pending = self.pending.new_zeros(self.batch, w, self.pending.shape[2])
         pending[:len(self.pending_counts), :self.pending.shape[1]] = self.pending

@@ -100,6 +100,8 @@ def usage_stats(g: Generation, label: str | None) -> dict[str, Any]:
     adds the acceptance statistics of speculative decoding."""
     spec = {} if label is None else {"decoding": label, "rounds": g.rounds, "tau": round(g.tau, 4),
                                      "accepted_draft_tokens": sum(g.accept_lengths) - g.rounds}
+    if label is not None and g.draft_sizes:  # cost-aware: draft tokens verified per round (0: no draft)
+        spec["mean_draft_size"] = round(sum(g.draft_sizes) / len(g.draft_sizes), 3)
     return {**spec, "time_to_first_token_s": round(g.prefill_seconds, 4),
             "decode_tokens_per_s": round((len(g.tokens) - 1) / g.decode_seconds, 2) if g.decode_seconds > 0 else None}
 

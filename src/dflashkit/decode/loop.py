@@ -163,6 +163,7 @@ class _Round:
     logits: Tensor | None  # kept for record_top
     width: int  # verified nodes per row
     started: float
+    drafted: bool  # False: an autoregressive round (no draft, or cost-aware decoding chose none)
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
@@ -243,7 +244,9 @@ def decode_stream(
     or recording), AR rounds are read a round late, the next one already running on the device: a
     row's end is seen a round after it, and that round's token for the row is dropped. cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
-    tokens per second (`decode/cost.py`); the sizes chosen go to `Generation.draft_sizes`.
+    tokens per second, and draft at all only while drafting rounds give more tokens per second
+    than autoregressive ones (`decode/cost.py`); the sizes chosen (0: no draft) go to
+    `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
     that chose it (`Generation.top`; one more host transfer per round)."""
     prompts = [p.reshape(-1) if p.ndim == 2 and p.shape[0] == 1 else p for p in prompts]
@@ -284,10 +287,14 @@ def decode_stream(
             news = [[tree.tokens[j - 1] for j in path[1:]] + [last] for tree, (path, last) in zip(rnd.trees, walks)]
             tree_bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
         top = _top(rnd.logits, record_top) if record_top else None
-        if method != "ar":
+        if rnd.drafted:
             engine.commit([path if run else range(0) for path, run in zip(paths, rnd.running)])  # idle rows: nothing
-        if curve is not None:  # the host transfer has waited for verification: the round's time is known
+        # The host transfer has waited for verification: the round's time is known.
+        if curve is not None and rnd.drafted:
             curve.observe(time.perf_counter() - rnd.started, rnd.width)
+        if drafting is not None:
+            kept = [len(new) for new, run in zip(news, rnd.running) if run]
+            drafting.observe(rnd.drafted, time.perf_counter() - rnd.started, sum(kept) / max(1, len(kept)))
         stages.mark("commit")
         step = []
         now = time.perf_counter()
@@ -298,7 +305,7 @@ def decode_stream(
             if top is not None:  # the m-th new token was chosen at node path[m]
                 row.res.top += [(top[0][r][j], top[1][r][j]) for j in path[:len(new)]]
             row.res.accept_lengths.append(len(new))
-            if curve is not None:
+            if drafting is not None:
                 row.res.draft_sizes.append(rnd.width - 1)
             row.res.decode_seconds = now - row.t1
             if profile:
@@ -306,8 +313,9 @@ def decode_stream(
             step.append((row.index, new, row.res))
         return step, tree_bonus
 
-    curve = None
+    curve, drafting = None, None
     if cost_aware and method != "ar":
+        drafting = cost.Drafting()
         top = B if method == "dflash" else budget + 1
         curve = cost.measure(engine, sorted({w for w in (1, 2, 4, 8, 16, 32, 64, top) if w <= top}))
         for row in filter(None, batch):  # the measurement is not decoding time
@@ -343,9 +351,10 @@ def decode_stream(
                 continue
         stages.start()
         t_round = time.perf_counter()
-        dlogits = engine.draft(bonus) if method != "ar" else None  # [b, B-1, V]
+        drafted = method != "ar" and (drafting is None or drafting.choose())
+        dlogits = engine.draft(bonus) if drafted else None  # [b, B-1, V]
         stages.mark("draft")
-        trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method, budget, top_k, curve)
+        trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method if drafted else "ar", budget, top_k, curve)
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)  # [b, q, V]
         picked = row_tokens(logits, [row.request.sampling if row else GREEDY for row in batch],
@@ -356,8 +365,8 @@ def decode_stream(
             read = to_host(torch.cat([accepted[:, None], picked], 1))  # the round's one transfer to the host
         else:
             read = to_host(picked)
-        rnd = _Round(running, trees, read, logits if record_top else None, tokens.shape[1], t_round)
-        if method == "ar":  # each running row keeps its one node: the commit needs nothing from the host
+        rnd = _Round(running, trees, read, logits if record_top else None, tokens.shape[1], t_round, drafted)
+        if not drafted:  # each running row keeps its one node: the commit needs nothing from the host
             engine.commit([range(1) if run else range(0) for run in running])
         if not lag:
             step, tree_bonus = finish(rnd)
@@ -404,12 +413,14 @@ class DecodingGenerator:
     """The server's generator (`generation.BatchedGenerator`): requests decoded by the round loop,
     one chunk per round; each request keeps its own sampling parameters, seed and token limit.
     Speculative methods add their acceptance statistics to the usage block. rows: the server's
-    largest batch (`decode_stream`'s `rows`: one batch size, one set of CUDA graphs)."""
+    largest batch (`decode_stream`'s `rows`: one batch size, one set of CUDA graphs). cost_aware:
+    `decode_stream`'s (rounds draft only while drafting pays at the batch's size)."""
 
     def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int = 4,
-                 rows: int | None = None) -> None:
+                 rows: int | None = None, cost_aware: bool = False) -> None:
         check_request(method, 1, engine.drafter, budget)
         self.engine, self.method, self.budget, self.top_k, self.rows = engine, method, budget, top_k, rows
+        self.cost_aware = cost_aware
         self.label = None if method == "ar" else method if method != "ddtree" else f"ddtree-{budget}"
 
     def warm_up(self, prompt: Sequence[int]) -> None:
@@ -426,7 +437,7 @@ class DecodingGenerator:
         long = [prompt[i % len(prompt)] for i in range(max(1, self.engine.slot_bucket - B))]
         for p in (long, list(prompt)):
             generate_batch(self.engine, [torch.tensor(p)] * rows, max_new_tokens=n, method=self.method,
-                           budget=self.budget, top_k=self.top_k)
+                           budget=self.budget, top_k=self.top_k, cost_aware=self.cost_aware)
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
                        cancelled: Callable[[int], bool] = lambda i: False,
@@ -444,7 +455,7 @@ class DecodingGenerator:
         steps = decode_stream(
             self.engine, [r.prompt for r in first], method=self.method, budget=self.budget, top_k=self.top_k,
             max_new_tokens=[r.max_new_tokens for r in first], sampling=[r.sampling for r in first],
-            stop_ids=[r.stop_ids for r in first], cancelled=cancelled, rows=self.rows,
+            stop_ids=[r.stop_ids for r in first], cancelled=cancelled, rows=self.rows, cost_aware=self.cost_aware,
             admit=None if admit is None else lambda running: convert(admit(running)))
         for step in steps:
             stats = {"batch_size": self.engine.batch}
