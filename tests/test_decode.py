@@ -714,11 +714,14 @@ def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, mon
 
 
 def test_drafting_pays_or_steps_aside():
-    """Draft while τ · t_ar >= t_draft, from the rounds run; every 16th round tries the other side."""
+    """Draft while τ · t_ar >= t_draft, from the rounds run; two rounds in 16 try the other side; a
+    draft that took a long context first is not timed."""
     from dflashkit.decode.cost import Drafting
 
     d = Drafting()
     assert d.choose()  # nothing known: draft first
+    d.observe(True, 60.0, 1.5, timed=False)  # the prompt's context (or a first graph capture)
+    assert d.choose()
     d.observe(True, 2.0, 1.5)
     assert not d.choose()  # then measure a round without a draft
     d.observe(False, 1.0, None)
@@ -726,7 +729,7 @@ def test_drafting_pays_or_steps_aside():
     for _ in range(32):
         picks.append(d.choose())
         d.observe(picks[-1], 2.0 if picks[-1] else 1.0, 1.5 if picks[-1] else None)
-    assert picks.count(True) == 2  # 1.5 tokens in 2 s against 1 in 1 s: only the exploration rounds draft
+    assert picks.count(True) == 4  # 1.5 tokens in 2 s against 1 in 1 s: only the exploration rounds draft
     d = Drafting()
     d.observe(True, 2.0, 3.0)
     d.observe(False, 1.0, None)

@@ -64,8 +64,10 @@ class Drafting:
     """Whether a round drafts at all. A round with a draft yields τ tokens per running row in
     t_draft seconds, one without (an autoregressive step of the same rows) 1 token in t_ar: draft
     while τ · t_ar >= t_draft. Both sides are estimated from the rounds actually run (medians of
-    the last few: a first round that captures CUDA graphs is an outlier), and every `explore`-th
-    round runs the side not chosen, so that the estimates follow the text (τ) and the batch."""
+    the last few: a first round that captures CUDA graphs is an outlier), and every `explore`
+    rounds two run the side not chosen, so that the estimates follow the text (τ) and the batch.
+    A draft that first takes a long context (the prompt, or the features of rounds without a
+    draft) is not timed: the second of the two is."""
 
     explore: int = 16
     draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
@@ -75,17 +77,18 @@ class Drafting:
 
     def choose(self) -> bool:
         """True: the next round drafts."""
-        if not self.draft_s:
+        if not self.draft_s:  # (the first draft takes the prompt: untimed, so the first two draft)
             return True
         if not self.ar_s:
             return False
         best = statistics.fmean(self.taus) * statistics.median(self.ar_s) >= statistics.median(self.draft_s)
-        return best != (self.rounds % self.explore == self.explore - 1)
+        return best != (self.rounds % self.explore >= self.explore - 2)
 
-    def observe(self, drafted: bool, seconds: float, tau: float | None) -> None:
-        """A round ran: with a draft or not, its wall time, and (with a draft) the tokens it gave
-        per running row."""
-        (self.draft_s if drafted else self.ar_s).append(seconds)
+    def observe(self, drafted: bool, seconds: float, tau: float | None, timed: bool = True) -> None:
+        """A round ran: with a draft or not, its wall time (`timed` False: not representative),
+        and (with a draft) the tokens it gave per running row."""
+        if timed:
+            (self.draft_s if drafted else self.ar_s).append(seconds)
         if drafted and tau is not None:
             self.taus.append(tau)
         self.rounds += 1

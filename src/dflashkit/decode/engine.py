@@ -228,6 +228,7 @@ class Engine:
         B, dc = self.drafter.config.block_size, self.dcache
         # The prompt's context, or what rounds without a draft left: any length, run as it is.
         feats, step, self.pending_read = self.pending, self._draft_step, True
+        self.caught_up = feats.shape[1] > B  # a long context (a prompt, or rounds without a draft) run as it is
         if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
             step = self.draft_step if dc.k is not None else step  # buffers are allocated outside any graph

@@ -294,7 +294,8 @@ def decode_stream(
             curve.observe(time.perf_counter() - rnd.started, rnd.width)
         if drafting is not None:
             kept = [len(new) for new, run in zip(news, rnd.running) if run]
-            drafting.observe(rnd.drafted, time.perf_counter() - rnd.started, sum(kept) / max(1, len(kept)))
+            drafting.observe(rnd.drafted, time.perf_counter() - rnd.started, sum(kept) / max(1, len(kept)),
+                             timed=not (rnd.drafted and engine.caught_up))
         stages.mark("commit")
         step = []
         now = time.perf_counter()
