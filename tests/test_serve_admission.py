@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import queue
 
@@ -123,7 +124,8 @@ def test_grouped_joins_over_the_round_loop(graphs, cost_aware, monkeypatch):
     from dflashkit.decode import cost
 
     if cost_aware:
-        monkeypatch.setattr(cost.Drafting, "choose", lambda self: self.rounds % 3 != 1)
+        calls = itertools.count()
+        monkeypatch.setattr(cost.Drafting, "choose", lambda self: next(calls) % 3 != 1)
     captures: dict[str, int] = {}
     decoder = _counting_engine(monkeypatch, captures) if graphs else None
     target = decoder.target if graphs else make_tiny_target()

@@ -62,18 +62,23 @@ class CostCurve:
 @dataclass
 class Drafting:
     """Whether a round drafts at all. A round with a draft yields τ tokens per running row in
-    t_draft seconds, one without (an autoregressive step of the same rows) 1 token in t_ar: draft
-    while τ · t_ar >= t_draft. Both sides are estimated from the rounds actually run (medians of
-    the last few: a first round that captures CUDA graphs is an outlier), and every `explore`
-    rounds two run the side not chosen, so that the estimates follow the text (τ) and the batch.
-    A draft that first takes a long context (the prompt, or the features of rounds without a
-    draft) is not timed: the second of the two is."""
+    t_draft seconds, one without (an autoregressive step of the same rows) 1 token in t_ar; the
+    rate of drafting is τ · t_ar / t_draft. Both sides are estimated from the rounds actually run
+    (medians of the last few times: a round that captures CUDA graphs is an outlier; τ over the
+    last 16 draft rounds). Drafting goes on until its rate falls below 1 - `margin` (a noisy
+    estimate near 1 must not give up rounds that pay); then rounds skip the draft, except two in
+    every `explore`, which re-estimate τ and t_draft, and drafting resumes once its rate is 1 or
+    more. The first draft after rounds without one takes their features in one longer pass: it
+    is not timed (the second is). t_ar is measured while not drafting (it depends on the batch,
+    not the text)."""
 
     explore: int = 16
+    margin: float = 0.15
     draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
     ar_s: deque = field(default_factory=lambda: deque(maxlen=5))
-    taus: deque = field(default_factory=lambda: deque(maxlen=8))
-    rounds: int = 0
+    taus: deque = field(default_factory=lambda: deque(maxlen=16))
+    drafting: bool = True
+    since: int = 0  # rounds since `drafting` last changed
 
     def choose(self) -> bool:
         """True: the next round drafts."""
@@ -81,8 +86,11 @@ class Drafting:
             return True
         if not self.ar_s:
             return False
-        best = statistics.fmean(self.taus) * statistics.median(self.ar_s) >= statistics.median(self.draft_s)
-        return best != (self.rounds % self.explore >= self.explore - 2)
+        return self.drafting or self.since % self.explore >= self.explore - 2
+
+    def rate(self) -> float:
+        """Tokens per second of drafting rounds over those of rounds without a draft."""
+        return statistics.fmean(self.taus) * statistics.median(self.ar_s) / statistics.median(self.draft_s)
 
     def observe(self, drafted: bool, seconds: float, tau: float | None, timed: bool = True) -> None:
         """A round ran: with a draft or not, its wall time (`timed` False: not representative),
@@ -91,7 +99,11 @@ class Drafting:
             (self.draft_s if drafted else self.ar_s).append(seconds)
         if drafted and tau is not None:
             self.taus.append(tau)
-        self.rounds += 1
+        self.since += 1
+        if self.draft_s and self.ar_s and self.taus:
+            keep = self.rate() >= (1 - self.margin if self.drafting else 1.0)
+            if keep != self.drafting:
+                self.drafting, self.since = keep, 0
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
