@@ -18,7 +18,7 @@ from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
 from dflashkit.data.prompts import Suite
-from dflashkit.evaluate import (Prompt, answer_spans, check_partings, classify_parting, evaluate_offline, evaluate_online,
+from dflashkit.evaluate import (Prompt, answer_spans, arbitrate_parting, check_partings, classify_parting, evaluate_offline, evaluate_online,
                                 evaluate_suites, markdown, method_labels, offline_accepted, parting_summary, replay_rounds,
                                 rounding_bound, summarize, tau_sim_vs_online, write_report)
 
@@ -296,9 +296,37 @@ def test_classify_parting_near_tie_and_real_error():
     assert not classify_parting(ar, ver, ar_token=3, spec_token=7, dtype=torch.float32)["numerical"]
 
 
-def test_an_unexplained_parting_fails_the_evaluation(monkeypatch):
+def test_float32_arbitrates_partings_beyond_the_ulp_bound():
+    """Both passes a few tenths from float32 on every recorded token: a parting whose two tokens
+    float32 puts 0.25 apart is numerical though 9 bf16 steps separate them in one pass; a
+    verification pass far from float32 (wrong context) or a pair far more off than the other
+    tokens is not."""
+    exact = torch.tensor([15.0, 12.5, 12.25, 11.0, 10.5, 10.0, 9.0, 8.0, 0.0, 0.0])
+    ids = list(range(8))
+
+    def top(values: list[float]) -> tuple[list[int], list[float]]:
+        order = sorted(ids, key=lambda i: -values[i])
+        return order, [values[i] for i in order]
+
+    ar = top([15.3, 12.8, 12.25, 11.2, 10.25, 10.3, 8.8, 8.1])  # AR: 1 over 2 by 0.55 (bf16: 9 steps at 8..16)
+    ver = top([15.2, 12.2, 12.45, 10.8, 10.7, 9.8, 9.2, 7.9])  # verification: 2 over 1 by 0.25
+    parting = {"ar_token": 1, "spec_token": 2, "bound": 0.25}
+    ok = arbitrate_parting(parting, ar, ver, exact)
+    assert ok["numerical"] and ok["exact_gap"] == 0.25
+    # AR's deviations less their median (0.2): others at most |-0.25 - 0.2|; the pair's 0.3 - 0.0
+    assert ok["passes"]["ar"]["error"] == pytest.approx(0.45) and ok["passes"]["ar"]["pair_error"] == pytest.approx(0.3)
+    wrong_context = top([13.0, 14.1, 14.5, 9.0, 12.7, 7.0, 11.2, 5.0])  # 2 on top, others 2-3 off
+    assert not arbitrate_parting(parting, ar, wrong_context, exact)["numerical"]
+    tight = top([15.0, 12.0, 12.5, 11.0, 10.5, 10.0, 9.0, 8.0])  # exact on all but the pair, which is 0.75 off
+    assert not arbitrate_parting(parting, ar, tight, exact)["numerical"]
+    assert not arbitrate_parting(parting, ar, ([2, 0], [12.5, 15.0]), exact)["numerical"]  # token 1 not recorded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unexplained_parting_fails_the_evaluation(monkeypatch, dtype):
     """A speculative output that takes a token the target ranks far below its top one (a decoding
-    bug, simulated by corrupting one token) is classified unexplained and fails loudly."""
+    bug, simulated by corrupting one token) is classified unexplained and fails loudly; in bf16
+    after float32 arithmetic at that position was consulted too."""
     import dflashkit.evaluate as ev
 
     real = ev.generate
@@ -311,10 +339,12 @@ def test_an_unexplained_parting_fails_the_evaluation(monkeypatch):
 
     monkeypatch.setattr(ev, "generate", corrupt)
     target = make_tiny_target()
-    rep = evaluate_online(target, {"d": make_tiny_drafter(target)}, _tiny_prompts(1, 2), methods=["dflash"],
+    target.model.to(dtype)
+    rep = evaluate_online(target, {"d": make_tiny_drafter(target).to(dtype)}, _tiny_prompts(1, 2), methods=["dflash"],
                           max_new_tokens=12, engine="hf")
     (parting,) = rep["per_prompt"][0]["partings"].values()
     assert parting["position"] == 5 and not parting["numerical"]
+    assert ("float32" in parting) == (dtype == torch.bfloat16)
     assert parting["passes"]["ar"]["spec_token_gap"] > parting["bound"]
     assert rep["drafters"]["d"]["methods"]["dflash"]["unexplained_partings"] == ["p2-0"]
     with pytest.raises(RuntimeError, match="p2-0 d/dflash at output position 5"):

@@ -20,8 +20,11 @@ Partings (greedy, online): where a speculative output parts from the autoregress
 target's top logits at that position, as recorded by the two passes that chose the two tokens
 (a one-token step of the autoregressive run, the verification block of the speculative run,
 with the caches each run had built), are classified by `classify_parting`: numerical when both
-tokens lie within a few units of rounding of the top logit in both passes, otherwise
-unexplained, which fails the evaluation.
+tokens lie within a few units of rounding of the top logit in both passes. Beyond that bound, in
+bf16 or fp16, `arbitrate_parting` measures both passes against float32 arithmetic at the same
+position: numerical when the two tokens are as close as the passes' own measured errors allow and
+the verification pass is about as exact as the one-token step. Anything else is unexplained,
+which fails the evaluation.
 
 τ of a round = accepted draft tokens + 1; the final round of an answer counts only the tokens up
 to its end (stop token or length limit), online and offline alike. Reports: τ mean, histogram,
@@ -279,6 +282,61 @@ def classify_parting(ar_top: tuple[list[int], list[float]], spec_top: tuple[list
             "dtype": str(dtype).removeprefix("torch."), "passes": passes, "numerical": numerical}
 
 
+# Beyond the ulp bound, a parting is checked against float32 arithmetic at the same position
+# (`arbitrate_parting`): each pass's error is measured there, on the recorded tokens other than the
+# two that parted, and the two must be as close as those errors allow.
+PAIR_SLACK = 1.5  # the parting pair's error may exceed the largest of the others by this factor
+VERIFY_SLACK = 4.0  # the verification pass may be this many times as far from float32 as the one-token step
+
+
+def arbitrate_parting(parting: dict[str, Any], ar_top: tuple[list[int], list[float]],
+                      spec_top: tuple[list[int], list[float]], exact: Tensor) -> dict[str, Any]:
+    """A parting that `classify_parting` could not call numerical, against `exact` [V]: the
+    target's logits at the parting position computed in float32 over the common prefix. Per pass,
+    the deviation from float32 of each recorded logit, less the pass's common shift (the median
+    deviation: a shift moves no argmax); `error` is the largest over the recorded tokens other than
+    the two that parted, and `pair_error` how far the pass's gap between the two lies from
+    float32's. Numerical iff both tokens are recorded in both passes, each pass's pair_error is
+    within PAIR_SLACK x its error (the parting pair is as rounded as any other token), and the
+    verification pass's error is within VERIFY_SLACK x the one-token step's, plus the ulp bound
+    (a verification that saw the wrong context, positions or mask would be far from float32
+    where the one-token step is not)."""
+    a, b = parting["ar_token"], parting["spec_token"]
+    out: dict[str, Any] = {"exact_gap": float(exact[a] - exact[b]), "passes": {}}
+    for name, (ids, values) in (("ar", ar_top), ("verify", spec_top)):
+        if a not in ids or b not in ids:
+            return {**out, "numerical": False, "reason": f"the {name} pass did not record both tokens"}
+        dev = {i: v - float(exact[i]) for i, v in zip(ids, values)}
+        shift = sorted(dev.values())[len(dev) // 2]
+        others = [abs(d - shift) for i, d in dev.items() if i not in (a, b)]
+        out["passes"][name] = {"error": max(others, default=0.0), "pair_error": abs(dev[a] - dev[b])}
+    ar, ver = out["passes"]["ar"], out["passes"]["verify"]
+    numerical = (all(p["pair_error"] <= PAIR_SLACK * p["error"] for p in out["passes"].values())
+                 and ver["error"] <= VERIFY_SLACK * ar["error"] + parting["bound"])
+    return {**out, "numerical": numerical}
+
+
+def exact_logits(target: Target) -> Any:
+    """ids [T] -> the target's float32 logits at the last position [V], from a float32 copy of the
+    model made on first use (None where the copy does not fit)."""
+    model: list[Any] = []
+
+    def logits(ids: list[int]) -> Tensor | None:
+        if not model:
+            import copy
+
+            try:
+                model.append(copy.deepcopy(target.model).float())
+            except torch.OutOfMemoryError:
+                model.append(None)
+        if model[0] is None:
+            return None
+        x = torch.tensor([ids], device=target.device)
+        return model[0](input_ids=x, logits_to_keep=1).logits[0, -1].float()
+
+    return logits
+
+
 def _prompt_label(row: dict[str, Any]) -> str:
     """'suite/prompt' of a per_prompt row ('prompt' outside suites)."""
     return f"{row.get('suite', '') and row['suite'] + '/'}{row['id']}"
@@ -317,6 +375,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         labels += [(f"{lab}+cost", method, budget) for lab, method, budget in labels]
     base_engine = make_engine(target, None, engine)
     engines = {n: make_engine(target, d, engine) for n, d in drafters.items()}
+    exact_fp32 = exact_logits(target)
     base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
     runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": [], "unexplained": []}
                 for lab, _, _ in labels} for n in drafters}
@@ -354,6 +413,11 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                         k = min(len(g.tokens), len(ar.tokens))
                     else:
                         parting = classify_parting(ar.top[k], g.top[k], ar.tokens[k], g.tokens[k], target.dtype)
+                        if not parting["numerical"] and target.dtype != torch.float32:
+                            exact = exact_fp32(pr.ids[0].tolist() + ar.tokens[:k])
+                            if exact is not None:
+                                parting["float32"] = arbitrate_parting(parting, ar.top[k], g.top[k], exact)
+                                parting["numerical"] = parting["float32"]["numerical"]
                     row.setdefault("partings", {})[f"{name}/{lab}"] = {"position": k, **parting}
                     if not parting["numerical"]:
                         r["unexplained"].append(pr.id)
@@ -494,8 +558,10 @@ def markdown(report: dict[str, Any]) -> str:
                   f"target's top logits at that position, as recorded by the two passes that chose the two tokens "
                   f"(a one-token step and a verification block), are compared: "
                   f"the parting is numerical when both tokens are within {NUMERICAL_ULPS} units of {report.get('dtype')} "
-                  "rounding of the top logit in both passes (report.json: per_prompt[].partings); any other parting "
-                  "fails the evaluation."]
+                  "rounding of the top logit in both passes, or, beyond that in bf16 or fp16, when float32 arithmetic "
+                  "at the same position puts the two tokens as close as both passes' own measured errors allow and "
+                  "the verification pass is about as exact as the one-token step (report.json: "
+                  "per_prompt[].partings, `float32`); any other parting fails the evaluation."]
     return "\n".join(lines) + "\n"
 
 
