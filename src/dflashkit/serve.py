@@ -718,22 +718,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0 or args.max_body_mb <= 0 or args.shutdown_timeout < 0:
         raise ValueError("--max-queue must be >= 0, --max-body-mb > 0 and --shutdown-timeout >= 0")
-    cfg = config_from_args(args)
-    target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
-                         device=resolve_device(cfg.target.device))
     if args.ddtree_budget is not None and (not args.drafter or args.ddtree_budget < 1):
         raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
+    if args.cost_aware and not args.drafter:
+        raise ValueError("--cost-aware needs --drafter DIR")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch needs N >= 1, got {args.max_batch}")
     admission = admission_from_args(args)
+    cfg = config_from_args(args)
+    target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
+                         device=resolve_device(cfg.target.device))
     drafter = None
     if args.drafter:
         from dflashkit.checkpoint import load_drafter
 
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
-    if args.cost_aware and drafter is None:
-        raise ValueError("--cost-aware needs --drafter DIR")
     generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget,
                                   rows=args.max_batch, cost_aware=args.cost_aware)
     if generator.engine.fixed_rows:
