@@ -9,12 +9,18 @@ path under the load of `bench_serve.py` over a generator that costs nothing.
    streaming clients: the tokens/s that the HTTP path and the worker carry when decoding is free.
 
     python benchmarks/bench_serve_overhead.py --json out.json
+    python benchmarks/bench_serve_overhead.py --loop asyncio --http h11    # uvicorn's pure-Python stack
+
+Reported besides the load's numbers: the server process's CPU time per streamed token (its
+event loop and worker thread share one interpreter lock with the decoding rounds of a real
+server, so this is what each token takes from decoding).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import subprocess
@@ -81,7 +87,7 @@ def detokenisation(tok, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def serve_free(port: int, rows: int, dt: float) -> None:
+def serve_free(port: int, rows: int, dt: float, loop: str, http: str) -> None:
     import uvicorn
 
     from dflashkit.serve import build_app
@@ -89,7 +95,14 @@ def serve_free(port: int, rows: int, dt: float) -> None:
     tok = load_tokenizer()
     target = SimpleNamespace(tokenizer=tok, name="free", model=SimpleNamespace(),
                              config=SimpleNamespace(max_position_embeddings=1 << 30))
-    uvicorn.run(build_app(target, Free(dt), max_batch=rows), host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(build_app(target, Free(dt), max_batch=rows), host="127.0.0.1", port=port, log_level="warning",
+                loop=loop, http=http)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -102,17 +115,19 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64, help="the server's --max-batch")
     p.add_argument("--round-ms", type=float, default=4.0)
     p.add_argument("--duration", type=float, default=25.0)
+    p.add_argument("--loop", default="auto", help="uvicorn's event loop: auto (uvloop where installed), asyncio, uvloop")
+    p.add_argument("--http", default="auto", help="uvicorn's HTTP protocol: auto (httptools where installed), h11, httptools")
     p.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)  # the child process
     p.add_argument("--json")
     args = p.parse_args()
     if args.serve_port:
-        return serve_free(args.serve_port, args.rows, args.round_ms / 1e3)
+        return serve_free(args.serve_port, args.rows, args.round_ms / 1e3, args.loop, args.http)
     out = {"detokenisation": detokenisation(load_tokenizer(), [int(x) for x in args.lengths.split(",")])}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     child = subprocess.Popen([sys.executable, __file__, "--serve-port", str(port), "--rows", str(args.rows),
-                              "--round-ms", str(args.round_ms)])
+                              "--round-ms", str(args.round_ms), "--loop", args.loop, "--http", args.http])
     try:
         url = f"http://127.0.0.1:{port}/v1"
         import httpx
@@ -123,7 +138,10 @@ def main() -> None:
             except httpx.HTTPError:
                 time.sleep(0.1)
         prompts = [c.messages for c in load_suite("humaneval")]
+        cpu0 = cpu_seconds(child.pid)
         r = load(url, args.clients, args.requests, args.duration, args.max_tokens, prompts, 0, args.client_procs)
+        # The server's CPU time per token: what the HTTP path costs, whatever the machine's other load.
+        r["server_cpu_us_per_token"] = 1e6 * (cpu_seconds(child.pid) - cpu0) / max(1, r["tokens"])
     finally:
         child.terminate()
         child.wait(30)
