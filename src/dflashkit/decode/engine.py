@@ -165,6 +165,7 @@ class Engine:
         self.cache = new_cache(target)
         self.dcache = drafter.new_cache() if drafter is not None else None
         self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
+        self.caught_up = False  # the last draft took a long context (see `draft`)
 
     @property
     def batch(self) -> int:
