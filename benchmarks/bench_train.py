@@ -20,8 +20,9 @@ VmHWM): a coarser count than the CUDA allocator's.
 
 `--max-seq GIB`: the longest sequence (anchors per sequence fixed at the recipe's) whose full
 training step fits in GIB: the trainer's peak measured at two lengths, extrapolated linearly, then
-checked at that length under `torch.cuda.set_per_process_memory_fraction` (stepping down 10 %
-while it runs out of memory). The target model itself is not resident here.
+checked under `torch.cuda.set_per_process_memory_fraction` by a bisection around that prediction
+(`bisect_longest`; the limit lies between `fits` and `fails_at`). The target model itself is not
+resident here.
 
     python benchmarks/bench_train.py                      # GPU, the shapes above
     python benchmarks/bench_train.py --tiny               # CPU smoke test of the same code
@@ -42,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import torch
 
@@ -282,10 +284,35 @@ def step_peak(trainer: Trainer, mb, mem: Memory) -> float:
     return mem.peak()
 
 
-def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: float, seed: int, tries: int = 4) -> dict:
-    """Longest sequence whose training step fits in `budget_gib`: the peak is affine in the length
-    at a fixed anchor count, so measure two lengths, extrapolate, then run that length under a
-    memory cap (CUDA) and step down 10 % while it does not fit."""
+def bisect_longest(fits: Callable[[int], bool], start: int, known_fit: int | None, mult: int,
+                   tries: int) -> dict[str, Any]:
+    """The longest length (a multiple of `mult`) for which `fits`, monotone in the length, holds:
+    try `start`, grow by a quarter while it fits and nothing failed yet, else bisect between the
+    longest length that fitted and the shortest that did not, for at most `tries` calls. ->
+    {fits: longest that fitted (None: none tried did), fails_at: shortest that did not, tried}."""
+    lo, hi, tried, T = known_fit, None, [], start
+    for _ in range(tries):
+        tried.append(T)
+        if fits(T):
+            lo = T
+        else:
+            hi = T
+        if hi is None:
+            T = (T * 5 // 4) // mult * mult
+        elif lo is None:
+            T = (T * 3 // 4) // mult * mult
+        else:
+            T = (lo + hi) // 2 // mult * mult
+        if (hi is not None and lo is not None and hi - lo <= mult) or T in tried:
+            break
+    return {"fits": lo, "fails_at": hi, "tried": tried}
+
+
+def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: float, seed: int, tries: int = 8) -> dict:
+    """Longest sequence whose training step fits in `budget_gib`: the peak is about affine in the
+    length at a fixed anchor count, so measure two lengths and extrapolate; then, under a memory
+    cap (CUDA), bisect around that prediction (growth is not linear that far: the first H200 run
+    ran out of memory 10, 20 and 27 % below it)."""
     cfg, mult, mem = trainer.cfg, SEQ_MULTIPLE, Memory(device)  # lengths as the trainer pads them
     t0, t1 = shape["seq"], 2 * shape["seq"]
     p0 = step_peak(trainer, build_batch(shape, cfg, device, dtype, seed, t0), mem)
@@ -297,22 +324,22 @@ def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: f
            "mib_per_1k_tokens": round(per_token * 1000 / 2**20, 1), "predicted": predicted, "fits": None}
     if device.type != "cuda" or predicted is None or predicted <= shape["prompt"] + shape["block"]:
         return res  # no allocator cap to check it against
+
+    def fits(T: int) -> bool:
+        torch.cuda.empty_cache()
+        try:
+            trainer.step([build_batch(shape, cfg, device, dtype, seed, T)], 1)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            trainer.optimizer.zero_grad(set_to_none=True)
+            for p in trainer.params:
+                p.grad = None
+            return False
+
     total = torch.cuda.get_device_properties(device).total_memory
-    T = predicted
     try:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-        for _ in range(tries):
-            torch.cuda.empty_cache()
-            try:
-                trainer.step([build_batch(shape, cfg, device, dtype, seed, T)], 1)
-                res["fits"] = T
-                break
-            except torch.cuda.OutOfMemoryError:
-                trainer.optimizer.zero_grad(set_to_none=True)
-                for p in trainer.params:
-                    p.grad = None
-                res.setdefault("out_of_memory_at", []).append(T)
-                T = int(T * 0.9) // mult * mult
+        res.update(bisect_longest(fits, predicted, t1 if p1 <= budget else None, mult, tries))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
@@ -376,7 +403,8 @@ def print_table(rows: list[dict]) -> None:
         if m:
             print(f"longest sequence in {m['budget_gib']} GiB, {r['backend']} {r['objective']}: predicted {m['predicted']} "
                   f"tokens ({m['mib_per_1k_tokens']} MiB per 1k tokens; peaks {m['peak_gib_at']} GiB), "
-                  f"fits under the cap: {m['fits']}" + (f" (out of memory at {m['out_of_memory_at']})" if "out_of_memory_at" in m else ""))
+                  f"fits under the cap: {m['fits']}" + (f", out of memory at {m['fails_at']} (tried {m['tried']})"
+                                                        if m.get("fails_at") else ""))
 
 
 def main() -> int:
