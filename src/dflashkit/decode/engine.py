@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dflashkit.decode.cache import KVCache, LinearState, is_chain
+from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
@@ -140,7 +140,7 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     """Row-wise concatenation of ragged rows: a [n, wa, D] whose row i holds a_counts[i] items,
     then b [n, wb, D] with b_counts[i] -> [n, max(a_counts + b_counts), D] and the counts (slots
     past a row's count hold copies of its items, never read)."""
-    ca = torch.tensor(list(a_counts), device=a.device)[:, None]
+    ca = to_device(list(a_counts), a.device)[:, None]  # no wait for the device (a round without a draft queues behind)
     w = max(x + y for x, y in zip(a_counts, b_counts))
     j = torch.arange(w, device=a.device)[None]
     idx = torch.where(j < ca, j, a.shape[1] + (j - ca).clamp(max=b.shape[1] - 1)).clamp(max=a.shape[1] + b.shape[1] - 1)
