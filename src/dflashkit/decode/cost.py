@@ -66,19 +66,22 @@ class Drafting:
     rate of drafting is τ · t_ar / t_draft. Both sides are estimated from the rounds actually run
     (medians of the last few times: a round that captures CUDA graphs is an outlier; τ over the
     last 16 draft rounds). Drafting goes on until its rate falls below 1 - `margin` (a noisy
-    estimate near 1 must not give up rounds that pay); then rounds skip the draft, except two in
-    every `explore`, which re-estimate τ and t_draft, and drafting resumes once its rate is 1 or
-    more. The first draft after rounds without one takes their features in one longer pass: it
-    is not timed (the second is). t_ar is measured while not drafting (it depends on the batch,
-    not the text)."""
+    estimate near 1 must not give up rounds that pay); then rounds skip the draft, except the last
+    two of every `interval` rounds, which re-estimate τ (from these two alone) and t_draft:
+    drafting resumes if its rate is 1 or more, else the interval doubles (up to `max_interval`: where drafting is far from
+    paying, re-trying it must not cost much). The first draft after rounds without one takes their
+    features in one longer pass: it is not timed (the second is). t_ar is measured while not
+    drafting (it depends on the batch, not the text)."""
 
     explore: int = 16
+    max_interval: int = 128
     margin: float = 0.15
     draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
     ar_s: deque = field(default_factory=lambda: deque(maxlen=5))
     taus: deque = field(default_factory=lambda: deque(maxlen=16))
     drafting: bool = True
-    since: int = 0  # rounds since `drafting` last changed
+    since: int = 0  # rounds without drafting since it stopped or was last re-tried
+    interval: int = 16
 
     def choose(self) -> bool:
         """True: the next round drafts."""
@@ -86,7 +89,7 @@ class Drafting:
             return True
         if not self.ar_s:
             return False
-        return self.drafting or self.since % self.explore >= self.explore - 2
+        return self.drafting or self.since >= self.interval - 2
 
     def rate(self) -> float:
         """Tokens per second of drafting rounds over those of rounds without a draft."""
@@ -97,13 +100,22 @@ class Drafting:
         and (with a draft) the tokens it gave per running row."""
         if timed:
             (self.draft_s if drafted else self.ar_s).append(seconds)
+        if drafted and not self.drafting and self.since == self.interval - 2:
+            self.taus.clear()  # a re-try judges τ on the text as it is now
         if drafted and tau is not None:
             self.taus.append(tau)
+        if not (self.draft_s and self.ar_s and self.taus):
+            return
+        if self.drafting:
+            if self.rate() < 1 - self.margin:
+                self.drafting, self.since, self.interval = False, 0, self.explore
+            return
         self.since += 1
-        if self.draft_s and self.ar_s and self.taus:
-            keep = self.rate() >= (1 - self.margin if self.drafting else 1.0)
-            if keep != self.drafting:
-                self.drafting, self.since = keep, 0
+        if self.since >= self.interval:  # a re-try just ended
+            if self.rate() >= 1:
+                self.drafting = True
+            else:
+                self.since, self.interval = 0, min(2 * self.interval, self.max_interval)
 
 
 def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
