@@ -427,6 +427,10 @@ def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeyp
     proves that the test can fail."""
     if lossy:
         monkeypatch.setattr(loop_mod, "target_tokens", _lossy_target_tokens)
+    if cost_aware:  # the verified prefix chosen per round; every round drafts (skipping is plain sampling)
+        from dflashkit.decode import cost
+
+        monkeypatch.setattr(cost.Drafting, "choose", lambda self: True)
     target = make_tiny_target(num_layers=2, hidden=32, vocab=8, seed=5)
     pvalues = sampling_pvalues(target, Engine, method, cost_aware)
     if lossy:
@@ -717,7 +721,7 @@ def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, mon
 
 def test_drafting_pays_or_steps_aside():
     """Drafting goes on while τ · t_ar / t_draft >= 0.85; below, rounds skip the draft but the last
-    two of every interval (16 rounds, doubling while drafting does not pay, up to 128), and drafting
+    four of every interval (16 rounds, doubling while drafting does not pay, up to 128), and drafting
     resumes at 1 or more; a draft that took a long context first is not timed."""
     from dflashkit.decode.cost import Drafting
 
@@ -737,7 +741,7 @@ def test_drafting_pays_or_steps_aside():
     d.observe(False, 1.0, None)
     assert all(run(d, 20, 1.8))  # 0.9: below 1, but within the margin: drafting goes on
     first = run(d, 48, 1.0)
-    assert first[:3] == [True, True, True] and first[3:].count(True) <= 4  # τ fell: drafting stopped
+    assert first[:3] == [True, True, True] and first[3:].count(True) <= 8  # τ fell: drafting stopped
     later = run(d, 400, 1.0)
-    assert 4 <= later.count(True) <= 10 and d.interval == 128  # re-tries ever rarer
+    assert 8 <= later.count(True) <= 20 and d.interval == 128  # re-tries ever rarer
     assert all(run(d, 150, 3.0)[-20:])  # τ rose: the next re-try saw it, drafting resumed

@@ -67,7 +67,7 @@ class Drafting:
     (medians of the last few times: a round that captures CUDA graphs is an outlier; τ over the
     last 16 draft rounds). Drafting goes on until its rate falls below 1 - `margin` (a noisy
     estimate near 1 must not give up rounds that pay); then rounds skip the draft, except the last
-    two of every `interval` rounds, which re-estimate τ (from these two alone) and t_draft:
+    `retry` of every `interval` rounds, which re-estimate τ (from these alone) and t_draft:
     drafting resumes if its rate is 1 or more, else the interval doubles (up to `max_interval`: where drafting is far from
     paying, re-trying it must not cost much). The first draft after rounds without one takes their
     features in one longer pass: it is not timed (the second is). t_ar is measured while not
@@ -75,6 +75,7 @@ class Drafting:
 
     explore: int = 16
     max_interval: int = 128
+    retry: int = 4
     margin: float = 0.15
     draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
     ar_s: deque = field(default_factory=lambda: deque(maxlen=5))
@@ -89,7 +90,7 @@ class Drafting:
             return True
         if not self.ar_s:
             return False
-        return self.drafting or self.since >= self.interval - 2
+        return self.drafting or self.since >= self.interval - self.retry
 
     def rate(self) -> float:
         """Tokens per second of drafting rounds over those of rounds without a draft."""
@@ -100,7 +101,7 @@ class Drafting:
         and (with a draft) the tokens it gave per running row."""
         if timed:
             (self.draft_s if drafted else self.ar_s).append(seconds)
-        if drafted and not self.drafting and self.since == self.interval - 2:
+        if drafted and not self.drafting and self.since == self.interval - self.retry:
             self.taus.clear()  # a re-try judges τ on the text as it is now
         if drafted and tau is not None:
             self.taus.append(tau)

@@ -166,6 +166,7 @@ class Engine:
         self.dcache = drafter.new_cache() if drafter is not None else None
         self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
         self.caught_up = False  # the last draft took a long context (see `draft`)
+        self.cost_state: dict = {}  # cost-aware decoding's curve and draft-or-not estimates (`decode_stream`)
 
     @property
     def batch(self) -> int:

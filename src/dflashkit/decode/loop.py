@@ -245,8 +245,8 @@ def decode_stream(
     row's end is seen a round after it, and that round's token for the row is dropped. cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
     tokens per second, and draft at all only while drafting rounds give more tokens per second
-    than autoregressive ones (`decode/cost.py`); the sizes chosen (0: no draft) go to
-    `Generation.draft_sizes`.
+    than autoregressive ones (`decode/cost.py`; both kept on the engine per method and batch size);
+    the sizes chosen (0: no draft) go to `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
     that chose it (`Generation.top`; one more host transfer per round)."""
     prompts = [p.reshape(-1) if p.ndim == 2 and p.shape[0] == 1 else p for p in prompts]
@@ -316,11 +316,16 @@ def decode_stream(
 
     curve, drafting = None, None
     if cost_aware and method != "ar":
-        drafting = cost.Drafting()
-        top = B if method == "dflash" else budget + 1
-        curve = cost.measure(engine, sorted({w for w in (1, 2, 4, 8, 16, 32, 64, top) if w <= top}))
-        for row in filter(None, batch):  # the measurement is not decoding time
-            row.t1 = time.perf_counter()
+        # Measured once per engine, method and batch size; what the rounds learnt carries over to
+        # the engine's next streams (a short answer must not pay for learning it again).
+        key = (method, budget, engine.batch)
+        if key not in engine.cost_state:
+            top = B if method == "dflash" else budget + 1
+            engine.cost_state[key] = (cost.measure(engine, sorted({w for w in (1, 2, 4, 8, 16, 32, 64, top) if w <= top})),
+                                      cost.Drafting())
+            for row in filter(None, batch):  # the measurement is not decoding time
+                row.t1 = time.perf_counter()
+        curve, drafting = engine.cost_state[key]
     while True:
         running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
         joining = list(admit(sum(running))) if admit is not None else []
