@@ -34,13 +34,15 @@ per-slot acceptance P(τ > k), rounds, tokens/s and speed-up; JSON + Markdown + 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import logging
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -316,23 +318,22 @@ def arbitrate_parting(parting: dict[str, Any], ar_top: tuple[list[int], list[flo
     return {**out, "numerical": numerical}
 
 
-def exact_logits(target: Target) -> Any:
+def exact_logits(target: Target) -> Callable[[list[int]], Tensor | None]:
     """ids [T] -> the target's float32 logits at the last position [V], from a float32 copy of the
     model made on first use (None where the copy does not fit)."""
-    model: list[Any] = []
+
+    @functools.cache
+    def fp32_model() -> Any:
+        try:
+            return copy.deepcopy(target.model).float()
+        except torch.OutOfMemoryError:
+            return None
 
     def logits(ids: list[int]) -> Tensor | None:
-        if not model:
-            import copy
-
-            try:
-                model.append(copy.deepcopy(target.model).float())
-            except torch.OutOfMemoryError:
-                model.append(None)
-        if model[0] is None:
+        model = fp32_model()
+        if model is None:
             return None
-        x = torch.tensor([ids], device=target.device)
-        return model[0](input_ids=x, logits_to_keep=1).logits[0, -1].float()
+        return model(input_ids=torch.tensor([ids], device=target.device), logits_to_keep=1).logits[0, -1].float()
 
     return logits
 

@@ -82,7 +82,10 @@ class Drafting:
     taus: deque = field(default_factory=lambda: deque(maxlen=16))
     drafting: bool = True
     since: int = 0  # rounds without drafting since it stopped or was last re-tried
-    interval: int = 16
+    interval: int = field(init=False)  # rounds between re-tries: `explore`, doubling while they fail
+
+    def __post_init__(self) -> None:
+        self.interval = self.explore
 
     def choose(self) -> bool:
         """True: the next round drafts."""

@@ -143,7 +143,7 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     ca = to_device(list(a_counts), a.device)[:, None]  # no wait for the device (a round without a draft queues behind)
     w = max(x + y for x, y in zip(a_counts, b_counts))
     j = torch.arange(w, device=a.device)[None]
-    idx = torch.where(j < ca, j, a.shape[1] + (j - ca).clamp(max=b.shape[1] - 1)).clamp(max=a.shape[1] + b.shape[1] - 1)
+    idx = torch.where(j < ca, j, a.shape[1] + j - ca).clamp(max=a.shape[1] + b.shape[1] - 1)
     both = torch.cat([a, b], 1)
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 

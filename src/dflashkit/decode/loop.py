@@ -289,12 +289,12 @@ def decode_stream(
         top = _top(rnd.logits, record_top) if record_top else None
         if rnd.drafted:
             engine.commit([path if run else range(0) for path, run in zip(paths, rnd.running)])  # idle rows: nothing
-        # The host transfer has waited for verification: the round's time is known.
+        seconds = time.perf_counter() - rnd.started  # the host transfer has waited for verification
         if curve is not None and rnd.drafted:
-            curve.observe(time.perf_counter() - rnd.started, rnd.width)
+            curve.observe(seconds, rnd.width)
         if drafting is not None:
             kept = [len(new) for new, run in zip(news, rnd.running) if run]
-            drafting.observe(rnd.drafted, time.perf_counter() - rnd.started, sum(kept) / max(1, len(kept)),
+            drafting.observe(rnd.drafted, seconds, sum(kept) / max(1, len(kept)),
                              timed=not (rnd.drafted and engine.caught_up))
         stages.mark("commit")
         step = []
