@@ -22,8 +22,9 @@ target's top logits at that position, as recorded by the two passes that chose t
 with the caches each run had built), are classified by `classify_parting`: numerical when both
 tokens lie within a few units of rounding of the top logit in both passes. Beyond that bound, in
 bf16 or fp16, `arbitrate_parting` measures both passes against float32 arithmetic at the same
-position: numerical when the two tokens are as close as the passes' own measured errors allow and
-the verification pass is about as exact as the one-token step. Anything else is unexplained,
+position: numerical when the verification pass is about as exact as the one-token step and the
+two tokens are as close as the passes' own measured errors allow (or float32 puts them closer
+than either pass's error). Anything else is unexplained,
 which fails the evaluation.
 
 τ of a round = accepted draft tokens + 1; the final round of an answer counts only the tokens up
@@ -298,11 +299,12 @@ def arbitrate_parting(parting: dict[str, Any], ar_top: tuple[list[int], list[flo
     the deviation from float32 of each recorded logit, less the pass's common shift (the median
     deviation: a shift moves no argmax); `error` is the largest over the recorded tokens other than
     the two that parted, and `pair_error` how far the pass's gap between the two lies from
-    float32's. Numerical iff both tokens are recorded in both passes, each pass's pair_error is
-    within PAIR_SLACK x its error (the parting pair is as rounded as any other token), and the
-    verification pass's error is within VERIFY_SLACK x the one-token step's, plus the ulp bound
-    (a verification that saw the wrong context, positions or mask would be far from float32
-    where the one-token step is not)."""
+    float32's. Numerical iff both tokens are recorded in both passes, the verification pass's
+    error is within VERIFY_SLACK x the one-token step's, plus the ulp bound (a verification that
+    saw the wrong context, positions or mask would be far from float32 where the one-token step
+    is not), and either each pass's pair_error is within PAIR_SLACK x its error (the parting pair
+    is as rounded as any other token) or float32 puts the two tokens closer than both passes' errors
+    (neither pass can order them: which one wins is decided by rounding)."""
     a, b = parting["ar_token"], parting["spec_token"]
     out: dict[str, Any] = {"exact_gap": float(exact[a] - exact[b]), "passes": {}}
     for name, (ids, values) in (("ar", ar_top), ("verify", spec_top)):
@@ -313,7 +315,9 @@ def arbitrate_parting(parting: dict[str, Any], ar_top: tuple[list[int], list[flo
         others = [abs(d - shift) for i, d in dev.items() if i not in (a, b)]
         out["passes"][name] = {"error": max(others, default=0.0), "pair_error": abs(dev[a] - dev[b])}
     ar, ver = out["passes"]["ar"], out["passes"]["verify"]
-    numerical = (all(p["pair_error"] <= PAIR_SLACK * p["error"] for p in out["passes"].values())
+    passes = out["passes"].values()
+    tied = abs(out["exact_gap"]) <= min(p["error"] for p in passes)
+    numerical = ((tied or all(p["pair_error"] <= PAIR_SLACK * p["error"] for p in passes))
                  and ver["error"] <= VERIFY_SLACK * ar["error"] + parting["bound"])
     return {**out, "numerical": numerical}
 
@@ -560,8 +564,9 @@ def markdown(report: dict[str, Any]) -> str:
                   f"(a one-token step and a verification block), are compared: "
                   f"the parting is numerical when both tokens are within {NUMERICAL_ULPS} units of {report.get('dtype')} "
                   "rounding of the top logit in both passes, or, beyond that in bf16 or fp16, when float32 arithmetic "
-                  "at the same position puts the two tokens as close as both passes' own measured errors allow and "
-                  "the verification pass is about as exact as the one-token step (report.json: "
+                  "at the same position puts the two tokens as close as both passes' own measured errors allow (or "
+                  "closer than either pass's error) and the verification pass is about as exact as the one-token "
+                  "step (report.json: "
                   "per_prompt[].partings, `float32`); any other parting fails the evaluation."]
     return "\n".join(lines) + "\n"
 

@@ -204,10 +204,15 @@ class LayerKV(NamedTuple):
     v: Tensor
 
     def write(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """k/v [b, kv_heads, t, head_dim] into slots [b, t] (per row)."""
-        idx = slots[:, None, :, None].expand(k.shape)
-        self.k.scatter_(2, idx, k.to(self.k.dtype))
-        self.v.scatter_(2, idx, v.to(self.v.dtype))
+        """k/v [b, kv_heads, t, head_dim] into slots [b, t] (per row). An `index_put_`, not a
+        `scatter_`: inside a compiled layer function Inductor fuses it into the kernel that makes
+        k and v and writes the buffer in place, where a `scatter_` becomes a copy of the whole
+        buffer and back."""
+        b, h = k.shape[:2]
+        idx = (torch.arange(b, device=k.device)[:, None, None], torch.arange(h, device=k.device)[None, :, None],
+               slots[:, None, :])  # broadcast to [b, h, t]
+        self.k.index_put_(idx, k.to(self.k.dtype))
+        self.v.index_put_(idx, v.to(self.v.dtype))
 
     def view(self, n: int) -> tuple[Tensor, Tensor]:
         """Keys and values of slots [0, n): [b, kv_heads, n, head_dim] views."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit.decode import delta
-from dflashkit.decode.cache import KVCache
+from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import DFlashDrafter, additive, apply_rope
@@ -275,10 +275,11 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
-        head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        head_dim: int, kv: LayerKV, slots: Tensor) -> tuple[Tensor, Tensor | None]:
     """x [b, t, H] -> q [b, kv_heads, g * t, d] (the g = heads / kv_heads query heads of each KV
-    group folded into the query axis, for `attend`), k, v [b, kv_heads, t, d] (RoPE applied), and
-    the output gate [b, t, heads * d] of a gated attention (else None)."""
+    group folded into the query axis, for `attend`) and the output gate [b, t, heads * d] of a
+    gated attention (else None); k and v (RoPE applied) are written into the layer's cache at
+    slots [b, t] here, so that a compiled layer function makes and stores them in one kernel."""
     b, t, _ = x.shape
     h = rms_norm(x, w.ln1, eps, w.offset)
     q_rows = heads * head_dim * (2 if w.gated else 1)
@@ -296,7 +297,8 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
         return (y if norm is None else rms_norm(y, norm, eps, w.offset)).transpose(1, 2)
 
     q = rope(heads_first(yq, heads, w.qn), cos, sin).reshape(b, kv_heads, (heads // kv_heads) * t, head_dim)
-    return q, rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None), gate
+    kv.write(rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None), slots)
+    return q, gate
 
 
 def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | None = None) -> Tensor:
@@ -457,6 +459,8 @@ class StaticRunner:
                                            else None).repeat(1, g, 1)[:, None], self.target.dtype) for kind in kinds}
         slots = lengths[:, None] + torch.arange(q, device=dev)
         x = self.target.embed(tokens)
+        if kinds:  # the buffers exist before a layer function writes its own view of them
+            cache.allocate(x.new_empty(x.shape[0], self.kv_heads, 0, self.head_dim))
         pos = lengths[:, None] + depths
         if self.mrope:  # text positions on all three multimodal axes (some releases want them spelled out)
             pos = pos[None].expand(3, -1, -1)
@@ -476,9 +480,8 @@ class StaticRunner:
             else:
                 ai = i - (len(parts) if lin is not None else 0)
                 cos, sin = rot[kind]
-                qh, k, v, gate = qkv_f(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
-                                           self.head_dim)
-                cache.write(ai, k, v, slots)
+                qh, gate = qkv_f(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
+                                 self.head_dim, cache.layer(ai), slots)
                 o = attend(qh, *cache.view(ai, n), masks[kind], self.scale)
             if self.moe[i] is None:
                 x = out_mlp_f(x, o, w, self.eps, gate)
