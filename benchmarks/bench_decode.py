@@ -314,10 +314,12 @@ def long_context(target: Target, drafter: DFlashDrafter, lengths: list[int], new
     return out
 
 
+# First match wins: Triton's kernels are named after the ops they fuse ("triton_..._to_copy_cat_..."),
+# so they are told apart before the copy kernels.
 KERNEL_KINDS = (("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
                 ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-                ("copy", ("memcpy", "memset", "copy", "cat", "index")),
-                ("fused elementwise / reduction (triton)", ("triton",)))
+                ("fused elementwise / reduction (triton)", ("triton",)),
+                ("copy", ("memcpy", "memset", "copy", "cat", "index", "scatter")))
 
 
 def kernel_table(run, device: torch.device, top: int) -> dict:

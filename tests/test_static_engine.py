@@ -6,7 +6,9 @@ import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
 from dflashkit.decode.loop import generate
-from dflashkit.decode.static import static_engine
+from dflashkit.decode.static import attend, attend_few, static_engine
+from dflashkit.decode.tree import visibility
+from dflashkit.drafter import additive
 
 
 def test_fused_weights_are_views_not_copies():
@@ -227,3 +229,23 @@ def test_packed_weights_decode_as_the_target():
     before, want = want, [target.model.generate(p[None], max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
                           for p in prompts]
     assert want != before and [x.tokens for x in generate_batch(changed, prompts, max_new_tokens=24, method="ar")] == want
+
+
+def test_few_query_attention_equals_sdpa():
+    """The written-out attention of few-query CUDA passes gives SDPA's output under a tree's
+    visibility: 2 rows of different lengths, 4 query heads over 2 KV heads folded as the engine
+    folds them, 5 tree nodes over 24 slots."""
+    torch.manual_seed(0)
+    b, kv, g, t, n, d = 2, 2, 2, 5, 24, 8
+    lengths = torch.tensor([7, 15])
+    depths = torch.tensor([[0, 1, 1, 2, 3]] * 2)
+    ancestors = torch.eye(t, dtype=torch.bool)[None].repeat(b, 1, 1)
+    for child, parent in ((1, 0), (2, 0), (3, 1), (3, 0), (4, 3), (4, 1), (4, 0)):
+        ancestors[:, child, parent] = True
+    mask = additive(visibility(lengths, depths, ancestors, n, None).repeat(1, g, 1)[:, None], torch.float32)
+    q = torch.randn(b, kv, g * t, d)
+    k, v = torch.randn(b, kv, n, d), torch.randn(b, kv, n, d)
+    want = attend(q, k, v, mask, d ** -0.5)
+    torch.testing.assert_close(attend_few(q, k, v, mask, d ** -0.5), want, rtol=1e-5, atol=1e-5)
+    # the mask matters: without it the output differs
+    assert not torch.allclose(attend_few(q, k, v, torch.zeros_like(mask), d ** -0.5), want, atol=1e-3)

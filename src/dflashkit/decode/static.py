@@ -335,6 +335,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+FEW_QUERIES = 128  # rows x queries of a CUDA pass up to which `attend_few` replaces SDPA
+
+
+def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """`attend` written out (scores and softmax in fp32, then p v), for passes of few queries on
+    CUDA. There a flash kernel has a thread block per KV head and walks all n keys in each:
+    on an H200, 22 us a call for 16 queries of a Qwen3-8B layer over 768 slots, against 9 us for
+    these two small GEMMs and one fused softmax (compiled); at 256 queries and more the flash
+    kernel wins (benchmarks/bench_attention.py, docs/benchmarks.md)."""
+    s = (q @ k.transpose(-1, -2)).float() * scale + mask
+    return s.softmax(-1).to(v.dtype) @ v
+
+
 class Graphs:
     """Replays `fn` from CUDA graphs captured once per call signature (input shapes and plain
     arguments); eager off CUDA. Outputs live in the graph's memory and are valid until the next
@@ -452,7 +465,8 @@ class StaticRunner:
     def _step(self, tokens: Tensor, depths: Tensor, ancestors: Tensor, lengths: Tensor, n: int,
               commit: Tensor | None, compiled: bool) -> tuple[Tensor, Tensor, delta.Block | None]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
-        qkv_f, out_mlp_f, out_proj_f, mix_f = self.compiled if compiled else LAYER_FUNCTIONS
+        qkv_f, out_mlp_f, out_proj_f, mix_f, few_f = self.compiled if compiled else LAYER_FUNCTIONS
+        attend_f = few_f if dev.type == "cuda" and tokens.numel() <= FEW_QUERIES else attend
         g = self.heads // self.kv_heads
         kinds = set(self.kinds) - {"linear_attention"}
         masks = {kind: additive(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
@@ -482,7 +496,7 @@ class StaticRunner:
                 cos, sin = rot[kind]
                 qh, gate = qkv_f(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
                                  self.head_dim, cache.layer(ai), slots)
-                o = attend(qh, *cache.view(ai, n), masks[kind], self.scale)
+                o = attend_f(qh, *cache.view(ai, n), masks[kind], self.scale)
             if self.moe[i] is None:
                 x = out_mlp_f(x, o, w, self.eps, gate)
             else:
@@ -540,7 +554,7 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
     return o.reshape(b, t, -1), part
 
 
-LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix)  # what `StaticRunner(compile=True)` compiles
+LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix, attend_few)  # what `StaticRunner(compile=True)` compiles
 
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
