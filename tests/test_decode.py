@@ -737,11 +737,17 @@ def test_drafting_pays_or_steps_aside():
     d.observe(True, 60.0, 1.8, timed=False)  # the prompt's context (or a first graph capture)
     assert d.choose()
     d.observe(True, 2.0, 1.8)
-    assert not d.choose()  # then measure a round without a draft
-    d.observe(False, 1.0, None)
+    for _ in range(3):  # then measure rounds without a draft
+        assert not d.choose()
+        d.observe(False, 1.0, None)
     assert all(run(d, 20, 1.8))  # 0.9: below 1, but within the margin: drafting goes on
     first = run(d, 48, 1.0)
     assert first[:3] == [True, True, True] and first[3:].count(True) <= 8  # τ fell: drafting stopped
     later = run(d, 400, 1.0)
     assert 8 <= later.count(True) <= 20 and d.interval == 128  # re-tries ever rarer
     assert all(run(d, 150, 3.0)[-20:])  # τ rose: the next re-try saw it, drafting resumed
+    fresh = Drafting()  # τ 1.0 from the start: judged only once 16 draft rounds are known
+    fresh.observe(fresh.choose(), 2.0, 1.0)
+    run(fresh, 3, 1.0)  # the AR rounds
+    picks = run(fresh, 20, 1.0)
+    assert picks[:15] == [True] * 15 and not any(picks[15:])

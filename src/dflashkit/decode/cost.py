@@ -65,8 +65,10 @@ class Drafting:
     t_draft seconds, one without (an autoregressive step of the same rows) 1 token in t_ar; the
     rate of drafting is τ · t_ar / t_draft. Both sides are estimated from the rounds actually run
     (medians of the last few times: a round that captures CUDA graphs is an outlier; τ over the
-    last 16 draft rounds). Drafting goes on until its rate falls below 1 - `margin` (a noisy
-    estimate near 1 must not give up rounds that pay); then rounds skip the draft, except the last
+    last 16 draft rounds; t_ar first from `ar_first` rounds). Drafting goes on until its rate, over
+    a full window of 16 draft rounds, falls below 1 - `margin` (a noisy estimate near 1 must not
+    give up rounds that pay; judged on its first round or two, an H200 stopped drafting where it
+    paid 1.27x); then rounds skip the draft, except the last
     `retry` of every `interval` rounds, which re-estimate τ (from these alone) and t_draft:
     drafting resumes if its rate is 1 or more, else the interval doubles (up to `max_interval`: where drafting is far from
     paying, re-trying it must not cost much). The first draft after rounds without one takes their
@@ -77,6 +79,7 @@ class Drafting:
     max_interval: int = 128
     retry: int = 4
     margin: float = 0.15
+    ar_first: int = 3
     draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
     ar_s: deque = field(default_factory=lambda: deque(maxlen=5))
     taus: deque = field(default_factory=lambda: deque(maxlen=16))
@@ -91,7 +94,7 @@ class Drafting:
         """True: the next round drafts."""
         if not self.draft_s:  # (the first draft takes the prompt: untimed, so the first two draft)
             return True
-        if not self.ar_s:
+        if len(self.ar_s) < self.ar_first:
             return False
         return self.drafting or self.since >= self.interval - self.retry
 
@@ -111,7 +114,7 @@ class Drafting:
         if not (self.draft_s and self.ar_s and self.taus):
             return
         if self.drafting:
-            if self.rate() < 1 - self.margin:
+            if len(self.taus) == self.taus.maxlen and self.rate() < 1 - self.margin:
                 self.drafting, self.since, self.interval = False, 0, self.explore
             return
         self.since += 1
