@@ -335,15 +335,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-FEW_QUERIES = 128  # rows x queries of a CUDA pass up to which `attend_few` replaces SDPA
+FEW_QUERIES = 128  # queries of a one-row CUDA pass up to which `attend_few` replaces SDPA
 
 
 def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """`attend` written out (scores and softmax in fp32, then p v), for passes of few queries on
     CUDA. There a flash kernel has a thread block per KV head and walks all n keys in each:
     on an H200, 22 us a call for 16 queries of a Qwen3-8B layer over 768 slots, against 9 us for
-    these two small GEMMs and one fused softmax (compiled); at 256 queries and more the flash
-    kernel wins (benchmarks/bench_attention.py, docs/benchmarks.md)."""
+    these two small GEMMs and one fused softmax (compiled). Only for one row: from 4 rows of 16
+    queries at SmolLM2's head shapes (9 / 3 / 64) the flash kernel wins (18 against 9 us), at
+    Qwen3-8B's it still loses (12 against 9 us) (benchmarks/bench_attention.py, docs/benchmarks.md)."""
     s = (q @ k.transpose(-1, -2)).float() * scale + mask
     return s.softmax(-1).to(v.dtype) @ v
 
@@ -466,7 +467,7 @@ class StaticRunner:
               commit: Tensor | None, compiled: bool) -> tuple[Tensor, Tensor, delta.Block | None]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
         qkv_f, out_mlp_f, out_proj_f, mix_f, few_f = self.compiled if compiled else LAYER_FUNCTIONS
-        attend_f = few_f if dev.type == "cuda" and tokens.numel() <= FEW_QUERIES else attend
+        attend_f = few_f if dev.type == "cuda" and tokens.shape[0] == 1 and q <= FEW_QUERIES else attend
         g = self.heads // self.kv_heads
         kinds = set(self.kinds) - {"linear_attention"}
         masks = {kind: additive(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
