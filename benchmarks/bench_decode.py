@@ -261,7 +261,9 @@ def accept_everything(chain, tokens):
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
                device: torch.device, kernels: int = 0) -> dict:
     """DFlash rounds of the fused engine (graphs elsewhere off) at each batch size: τ = 1 (random
-    drafts) and every draft accepted (`accept_everything`)."""
+    drafts) and every draft accepted (`accept_everything`). Accepting everything, a generation
+    runs B times the tokens, so that both kinds time as many rounds (three rounds of 16 tokens
+    were noise: their draft stage varied by 3 ms from one batch size to the next)."""
     from dflashkit.decode import loop
 
     make = engines(device, compile_ok=True).get("fused") or engines(device, compile_ok=False)["static"]
@@ -271,13 +273,14 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
             eng = make(target, drafter)
             loop.walk_chains = accept_everything if kind == "accept-all" else walk_chains
             prompts = [ids[0]] * b
-            generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")  # capture graphs / compile
+            n = new_tokens * (drafter.config.block_size if kind == "accept-all" else 1)
+            generate_batch(eng, prompts, max_new_tokens=n, method="dflash")  # capture graphs / compile
             sync(device)
-            gens = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")
-            prof = generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash", profile=True)[0]
+            gens = generate_batch(eng, prompts, max_new_tokens=n, method="dflash")
+            prof = generate_batch(eng, prompts, max_new_tokens=n, method="dflash", profile=True)[0]
             if kernels and kind == "tau1":
                 out[f"b{b}-kernels"] = kernel_table(
-                    lambda: generate_batch(eng, prompts, max_new_tokens=new_tokens, method="dflash")[0], device, kernels)
+                    lambda: generate_batch(eng, prompts, max_new_tokens=n, method="dflash")[0], device, kernels)
             loop.walk_chains = walk_chains
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
