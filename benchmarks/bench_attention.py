@@ -9,7 +9,7 @@ heads, 8 KV heads, head dim 128), and checks each against the math reference:
 
 - `cudnn` / `efficient` / `math`: SDPA's backends over the engine's layout (the query heads of a KV
   group folded into the query axis, mask [b, 1, g*t, n]);
-- `gqa-*`: the same backends over [b, heads, t, d] with `enable_gqa` (where the backend has it);
+- `gqa-cudnn`: cuDNN over [b, heads, t, d] with `enable_gqa` (the mem-efficient kernel refuses it);
 - `compiled`: q k^T, softmax and p v written out and compiled (cuBLAS for the products, one fused
   softmax);
 - `flex`: FlexAttention with the mask as a score modification (Triton; short queries take its
@@ -54,8 +54,7 @@ def candidates(g: int, scale: float) -> dict:
         return (s.softmax(-1).to(v.dtype)) @ v
 
     out = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
-           "math": sdpa(SDPBackend.MATH), "gqa-efficient": sdpa_gqa(SDPBackend.EFFICIENT_ATTENTION),
-           "gqa-cudnn": sdpa_gqa(SDPBackend.CUDNN_ATTENTION),
+           "math": sdpa(SDPBackend.MATH), "gqa-cudnn": sdpa_gqa(SDPBackend.CUDNN_ATTENTION),
            "compiled": torch.compile(written_out, dynamic=False)}
     try:
         from torch.nn.attention.flex_attention import flex_attention
@@ -114,8 +113,8 @@ def main() -> int:
     H, KV, D = args.heads, args.kv_heads, args.head_dim
     g, scale = H // KV, D ** -0.5
     fns = candidates(g, scale)
-    rows, res = [], {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "heads": H, "kv_heads": KV, "head_dim": D, "results": []}
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "heads": H, "kv_heads": KV, "head_dim": D, "results": []}
     print(f"{'batch':>5} {'queries':>7} {'keys':>5}  " + "  ".join(f"{k:>13}" for k in fns))
     for b in map(int, args.batches.split(",")):
         for t in map(int, args.queries.split(",")):
@@ -146,7 +145,6 @@ def main() -> int:
                 print(f"{b:5d} {t:7d} {n:5d}  " + "  ".join(
                     f"{c['us']:8.1f} us{'!' if c['max_abs_err'] > 0.05 else ' '} " if "us" in c else f"{'n/a':>13}"
                     for c in cells.values()), flush=True)
-                rows.append(cells)
                 if args.json:
                     Path(args.json).write_text(json.dumps(res, indent=2))
     print("('!': differs from the math reference by more than 0.05; n/a: the backend refused the call)")

@@ -6,9 +6,8 @@ import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
 from dflashkit.decode.loop import generate
-from dflashkit.decode.static import attend, attend_few, static_engine
+from dflashkit.decode.static import attend, attend_few, folded_mask, static_engine
 from dflashkit.decode.tree import visibility
-from dflashkit.drafter import additive
 
 
 def test_fused_weights_are_views_not_copies():
@@ -242,7 +241,7 @@ def test_few_query_attention_equals_sdpa():
     ancestors = torch.eye(t, dtype=torch.bool)[None].repeat(b, 1, 1)
     for child, parent in ((1, 0), (2, 0), (3, 1), (3, 0), (4, 3), (4, 1), (4, 0)):
         ancestors[:, child, parent] = True
-    mask = additive(visibility(lengths, depths, ancestors, n, None).repeat(1, g, 1)[:, None], torch.float32)
+    mask = folded_mask(visibility(lengths, depths, ancestors, n, None), g, torch.float32)
     q = torch.randn(b, kv, g * t, d)
     k, v = torch.randn(b, kv, n, d), torch.randn(b, kv, n, d)
     want = attend(q, k, v, mask, d ** -0.5)

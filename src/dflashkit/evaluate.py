@@ -24,8 +24,7 @@ tokens lie within a few units of rounding of the top logit in both passes. Beyon
 bf16 or fp16, `arbitrate_parting` measures both passes against float32 arithmetic at the same
 position: numerical when the verification pass is about as exact as the one-token step and the
 two tokens are as close as the passes' own measured errors allow (or float32 puts them closer
-than either pass's error). Anything else is unexplained,
-which fails the evaluation.
+than either pass's error). Anything else is unexplained, which fails the evaluation.
 
 τ of a round = accepted draft tokens + 1; the final round of an answer counts only the tokens up
 to its end (stop token or length limit), online and offline alike. Reports: τ mean, histogram,
@@ -566,8 +565,7 @@ def markdown(report: dict[str, Any]) -> str:
                   "rounding of the top logit in both passes, or, beyond that in bf16 or fp16, when float32 arithmetic "
                   "at the same position puts the two tokens as close as both passes' own measured errors allow (or "
                   "closer than either pass's error) and the verification pass is about as exact as the one-token "
-                  "step (report.json: "
-                  "per_prompt[].partings, `float32`); any other parting fails the evaluation."]
+                  "step (report.json: per_prompt[].partings, `float32`); any other parting fails the evaluation."]
     return "\n".join(lines) + "\n"
 
 

@@ -123,8 +123,7 @@ class KVCache:
             (apply or self.apply)(plan, self.lengths_t, moves, fold)
         if self.linear is not None:
             self.linear.pending = None
-        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.lengths_t = self.lengths_t + (to_device(counts, self.lengths_t.device) if plan is None else plan[:, -1])
+        self.advance(counts, None if plan is None else plan[:, -1])
         return plan
 
     def apply(self, plan: Tensor, lengths: Tensor, moves: bool, fold: bool) -> None:
@@ -143,11 +142,13 @@ class KVCache:
         if fold:
             self.linear.fold(plan)
 
-    def advance(self, counts: Sequence[int]) -> None:
+    def advance(self, counts: Sequence[int], on_device: Tensor | None = None) -> None:
         """Commit the first counts[i] slots written past each row's length (no move needed; linear
-        layers are advanced by the pass itself or by `commit`)."""
+        layers are advanced by the pass itself or by `commit`). on_device: the same counts already
+        on the device (a commit plan's last column), saving the transfer."""
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.lengths_t = self.lengths_t + to_device(list(counts), self.lengths_t.device)
+        self.lengths_t = self.lengths_t + (to_device(list(counts), self.lengths_t.device) if on_device is None
+                                           else on_device)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""

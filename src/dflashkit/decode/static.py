@@ -328,6 +328,12 @@ def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | No
     return x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.offset))
 
 
+def folded_mask(vis: Tensor, g: int, dtype: torch.dtype) -> Tensor:
+    """`tree.visibility` [b, t, n] -> the additive mask of `attend`'s layout [b, 1, g*t, n] (the
+    rule repeated once per query head of a KV group)."""
+    return additive(vis.repeat(1, g, 1)[:, None], dtype)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
     """q [b, kv, g*t, d] (`qkv`'s layout) over k/v [b, kv, n, d]; mask additive [b, 1, g*t, n] (the
     [t, n] mask repeated once per query head of a KV group) -> [b, kv, g*t, d]. The heads sharing a
@@ -470,8 +476,8 @@ class StaticRunner:
         attend_f = few_f if dev.type == "cuda" and tokens.shape[0] == 1 and q <= FEW_QUERIES else attend
         g = self.heads // self.kv_heads
         kinds = set(self.kinds) - {"linear_attention"}
-        masks = {kind: additive(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
-                                           else None).repeat(1, g, 1)[:, None], self.target.dtype) for kind in kinds}
+        masks = {kind: folded_mask(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
+                                              else None), g, self.target.dtype) for kind in kinds}
         slots = lengths[:, None] + torch.arange(q, device=dev)
         x = self.target.embed(tokens)
         if kinds:  # the buffers exist before a layer function writes its own view of them
