@@ -45,7 +45,7 @@ import torch
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode.static import runner_features, static_engine
-from dflashkit.decode.tree import walk_chains
+from dflashkit.decode.tree import Walk, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
@@ -252,10 +252,11 @@ def compaction_ms(engine: Engine, nodes: int = 8, reps: int = 20) -> float:
     return 1e3 * (time.perf_counter() - t) / reps
 
 
-def accept_everything(chain, tokens):
-    """A stand-in for the acceptance walk of chains (`tree.walk_chains`) that accepts every draft:
-    rounds do the work of τ = B (timing only: random weights never agree with random drafts)."""
-    return torch.full_like(tokens[:, 0], chain.shape[1]), tokens[:, -1]
+def accept_everything(trees, anc, picked, chain=False):
+    """A stand-in for the acceptance walk (`tree.walk`) of chains that accepts every draft: rounds
+    do the work of τ = B (timing only: random weights never agree with random drafts)."""
+    b, m = trees.tokens.shape
+    return Walk(torch.full_like(picked[:, 0], m), torch.arange(m + 1, device=picked.device).expand(b, -1), picked)
 
 
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
@@ -271,7 +272,7 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
     for b in batches:
         for kind in ("tau1", "accept-all"):
             eng = make(target, drafter)
-            loop.walk_chains = accept_everything if kind == "accept-all" else walk_chains
+            loop.walk = accept_everything if kind == "accept-all" else walk
             prompts = [ids[0]] * b
             n = new_tokens * (drafter.config.block_size if kind == "accept-all" else 1)
             generate_batch(eng, prompts, max_new_tokens=n, method="dflash")  # capture graphs / compile
@@ -281,7 +282,7 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
             if kernels and kind == "tau1":
                 out[f"b{b}-kernels"] = kernel_table(
                     lambda: generate_batch(eng, prompts, max_new_tokens=n, method="dflash")[0], device, kernels)
-            loop.walk_chains = walk_chains
+            loop.walk = walk
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
                  "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds,
@@ -347,7 +348,35 @@ def kernel_table(run, device: torch.device, top: int) -> dict:
           + ", ".join(f"{k} {v['us']:.0f} us ({v['launches']:.0f} launches)" for k, v in per_round["kinds"].items()))
     for r in per_round["top"]:
         print(f"    {r['us']:8.1f} us {r['launches']:6.1f}x  {r['kernel']}")
+    if cuda:
+        per_round["gaps"] = device_gaps(prof, g.rounds, top)
     return per_round
+
+
+def device_gaps(prof, rounds: int, top: int) -> dict:
+    """Where the device waits: the idle time between kernels (and copies), per round, in all and
+    by the pair of kernels around each gap (a gap after the read of a round's tokens is host work
+    before the next round's first launch; gaps between two kernels of one graph are launch latency)."""
+    from torch.autograd import DeviceType
+
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    end, last, idle = None, "", 0.0
+    for e in events:
+        if end is not None and e.time_range.start > end:
+            gap = e.time_range.start - end
+            idle += gap
+            pairs.setdefault((last[:60], e.name[:60]), []).append(gap)
+        if end is None or e.time_range.end > end:
+            end, last = e.time_range.end, e.name
+    busy_span = (end - events[0].time_range.start) if events else 0.0
+    rows = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]
+    out = {"span_us": busy_span / rounds, "idle_us": idle / rounds,
+           "top": [{"after": a, "before": b, "us": sum(v) / rounds, "count": len(v) / rounds} for (a, b), v in rows]}
+    print(f"  device idle per round: {out['idle_us']:.0f} us of {out['span_us']:.0f} us; largest by neighbours:")
+    for r in out["top"]:
+        print(f"    {r['us']:8.1f} us {r['count']:6.1f}x  after {r['after']}  |  before {r['before']}")
+    return out
 
 
 def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int) -> dict:

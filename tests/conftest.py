@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflashkit.decode.tree import Trees, best_first, chains
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
@@ -59,6 +60,35 @@ def make_tiny_drafter(target: Target, seed: int = 1, **kw) -> DFlashDrafter:
     kw.setdefault("num_taps", 3)
     kw.setdefault("block_size", 8)
     return DFlashDrafter(drafter_config_for_target(target.config, mask_token_id=target.vocab_size - 1, **kw)).float()
+
+
+def ragged_trees(sizes: list[int], V: int, gen: torch.Generator, slots: int = 6, top_k: int = 3) -> Trees:
+    """Random best-first trees of sizes[i] nodes per row (size < 3: a chain of `slots`), padded
+    to the largest with nodes that are their own parents (never accepted, seen by nothing)."""
+    rows = []
+    for n in sizes:
+        lp, ids = torch.log_softmax(torch.randn(1, slots, V, generator=gen), -1).topk(top_k, dim=-1)
+        rows.append(chains(ids[:, :, 0]) if n < 3 else best_first(lp, ids, n))
+    m = max(t.size for t in rows)
+
+    def pad(t: Trees) -> Trees:
+        k = m - t.size
+        own = torch.arange(t.size + 1, m + 1)[None]
+        return Trees(torch.cat([t.tokens, torch.zeros(1, k, dtype=torch.long)], 1), torch.cat([t.parents, own], 1),
+                     torch.cat([t.depths, torch.zeros(1, k, dtype=torch.long)], 1),
+                     torch.cat([t.scores, torch.zeros(1, k)], 1))
+
+    return Trees(*(torch.cat(x) for x in zip(*map(pad, rows))))
+
+
+def children(trees: Trees, row: int) -> list[dict[int, int]]:
+    """Row `row`'s tree as {token: child node} per node (padding left out)."""
+    parents, tokens = trees.parents[row].tolist(), trees.tokens[row].tolist()
+    kids: list[dict[int, int]] = [{} for _ in range(len(parents) + 1)]
+    for i, (p, t) in enumerate(zip(parents, tokens), start=1):
+        if p < i:
+            kids[p][t] = i
+    return kids
 
 
 @pytest.fixture(scope="session")

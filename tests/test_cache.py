@@ -9,12 +9,12 @@ from collections.abc import Collection
 import pytest
 import torch
 
-from conftest import make_tiny_drafter
+from conftest import children, make_tiny_drafter, ragged_trees
 from datahelpers import one_thread  # noqa: F401
 from dflashkit.decode.cache import KVCache
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.static import static_engine
-from dflashkit.decode.tree import build_tree
+from dflashkit.decode.tree import verification
 from test_decode import sliding_targets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,20 +56,14 @@ def _random_round(engine, gen: torch.Generator, V: int, idle: Collection[int] = 
     """A random tree per row (a chain for some), verified and committed along a random path (idle
     rows commit nothing)."""
     b = engine.batch
-    trees = []
-    for _ in range(b):
-        lp, ids = torch.log_softmax(torch.randn(6, V, generator=gen), -1).topk(3, dim=-1)
-        budget = int(torch.randint(0, 12, (1,), generator=gen))
-        trees.append(build_tree(lp[:, :1], ids[:, :1], 6) if budget < 3 else build_tree(lp, ids, budget))
-    q = 1 + max(len(t) for t in trees)
+    trees = ragged_trees([int(torch.randint(0, 12, (1,), generator=gen)) for _ in range(b)], V, gen)
     bonus = torch.randint(3, V, (b,), generator=gen)
-    tokens = torch.stack([torch.tensor([int(bonus[i]), *t.tokens] + [0] * (q - 1 - len(t))) for i, t in enumerate(trees)])
-    depths = torch.tensor([[0, *t.depths] + [0] * (q - 1 - len(t)) for t in trees])
+    tokens, depths, anc = verification(bonus, trees)
     engine.draft(bonus)
-    engine.verify(tokens, depths, torch.stack([t.ancestors(q) for t in trees]))
+    engine.verify(tokens, depths, anc)
     paths = []
-    for t in trees:
-        path, kids = [0], t.children()
+    for r in range(b):
+        path, kids = [0], children(trees, r)
         while kids[path[-1]] and torch.rand(1, generator=gen) < 0.7:
             options = list(kids[path[-1]].values())
             path.append(options[int(torch.randint(len(options), (1,), generator=gen))])

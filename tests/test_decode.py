@@ -11,16 +11,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_tiny_drafter, make_tiny_target
+from conftest import children, make_tiny_drafter, make_tiny_target, ragged_trees
 from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import loop as loop_mod
 from dflashkit.decode.command import chat_ids
-from dflashkit.decode.engine import Engine
+from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import Sampling, target_tokens
 from dflashkit.decode.loop import Request, decode_stream, generate, generate_batch
 from dflashkit.decode.static import static_engine
-from dflashkit.decode.tree import Tree, build_tree, walk
+from dflashkit.decode.tree import Trees, ancestors, best_first, chains, draft_trees, verification, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
@@ -58,9 +58,10 @@ class Oracle:
         self.rows = [self.rows[r] for r in rows]
         self.engine.keep_rows(rows)
 
-    def draft(self, bonus):
-        real = self.engine.draft(bonus)
-        return torch.cat([self.proposers[r](n) for r, n in zip(self.rows, self.engine.lengths)]).to(real)
+    def draft(self, bonus, budget=None, top_k=4, scored=False):
+        real = self.engine.draft(bonus).logits
+        logits = torch.cat([self.proposers[r](n) for r, n in zip(self.rows, self.engine.lengths)]).to(real)
+        return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
 
 
 def oracle_proposals(seq: list[int], V: int, B: int, ranks: int):
@@ -93,43 +94,65 @@ def expected_taus(prompt_len: int, max_new: int, B: int, depth_cap: int) -> list
 # ---- the tree ---------------------------------------------------------------------------------
 
 
-def test_build_tree_is_best_first():
+def test_best_first_trees_hold_the_best_prefixes():
     torch.manual_seed(0)
     slots, K, budget = 4, 3, 17
-    lp, ids = torch.log_softmax(torch.randn(slots, 50), -1).topk(K, dim=-1)
-    tree = build_tree(lp, ids, budget)
-    # Brute force: every prefix of top-K choices, scored by summed log-probs; the best `budget`.
-    scored = []
-    for d in range(1, slots + 1):
-        for ranks in itertools.product(range(K), repeat=d):
-            scored.append((sum(lp[i, r].item() for i, r in enumerate(ranks)), tuple(ids[i, r].item() for i, r in enumerate(ranks))))
-    best = {p for _, p in sorted(scored, reverse=True)[:budget]}
+    lp, ids = torch.log_softmax(torch.randn(3, slots, 50), -1).topk(K, dim=-1)
+    lp[2, 1, 0] = 0.0  # a slot the drafter is sure of: a child scores as its parent (a tie)
+    trees = best_first(lp, ids, budget)
+    assert trees.size == budget
+    for r in range(3):
+        # Brute force: every prefix of top-K choices, scored by summed log-probs; the best `budget`.
+        scored = []
+        for d in range(1, slots + 1):
+            for ranks in itertools.product(range(K), repeat=d):
+                scored.append((sum(lp[r, i, k].item() for i, k in enumerate(ranks)), -d,
+                               tuple(ids[r, i, k].item() for i, k in enumerate(ranks))))
+        best = sorted(scored, reverse=True)[:budget]
+        parents, tokens = trees.parents[r].tolist(), trees.tokens[r].tolist()
 
-    def prefix(i):  # tokens from the root to node i
-        out = []
-        while i:
-            out.append(tree.tokens[i - 1])
-            i = tree.parents[i - 1]
-        return tuple(reversed(out))
+        def prefix(i):  # tokens from the root to node i
+            out = []
+            while i:
+                out.append(tokens[i - 1])
+                i = parents[i - 1]
+            return tuple(reversed(out))
 
-    assert len(tree) == budget
-    assert {prefix(i) for i in range(1, budget + 1)} == best
-    assert all(p < i for i, p in enumerate(tree.parents, start=1))
-    assert tree.depths == [len(prefix(i)) for i in range(1, budget + 1)]
+        assert [prefix(i) for i in range(1, budget + 1)] == [p for _, _, p in best]  # in best-first order
+        assert all(p < i for i, p in enumerate(parents, start=1))
+        assert trees.depths[r].tolist() == [len(prefix(i)) for i in range(1, budget + 1)]
+        torch.testing.assert_close(trees.scores[r], torch.tensor([s for s, _, _ in best]))
     # top-1 with budget B-1 is the DFlash chain of argmax tokens
-    chain = build_tree(lp[:, :1], ids[:, :1], slots)
-    assert chain == Tree.chain(ids[:, 0].tolist())
+    chain = best_first(lp[:, :, :1], ids[:, :, :1], slots)
+    assert all(torch.equal(a, b) for a, b in zip(chain[:3], chains(ids[:, :, 0])[:3]))
 
 
 def test_ancestors_and_walk():
-    tree = Tree(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 3], depths=[1, 1, 2, 3])  # 1:5 2:6 3:7(under 1) 4:8(under 3)
-    anc = tree.ancestors()
-    assert anc[4].tolist() == [True, True, False, True, True]
-    assert anc[2].tolist() == [True, False, True, False, False]
-    # target tokens per node: root says 5 -> node 1 says 7 -> node 3 says 8 -> node 4 says 9 (no child)
-    assert walk(tree, [5, 7, 0, 8, 9]) == ([0, 1, 3, 4], 9)
-    assert walk(tree, [6, 0, 1, 0, 0]) == ([0, 2], 1)
-    assert walk(tree, [3, 0, 0, 0, 0]) == ([0], 3)
+    # 1:5 2:6 3:7 (under 1) 4:8 (under 3), and a padding node 5 (its own parent)
+    trees = Trees(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 0, 1, 3, 5]]), torch.tensor([[1, 1, 2, 3, 0]]),
+                  torch.zeros(1, 5))
+    anc = ancestors(trees.parents)
+    assert anc[0, 4].tolist() == [True, True, False, True, True, False]
+    assert anc[0, 2].tolist() == [True, False, True, False, False, False]
+    assert anc[0, 5].tolist() == [False] * 5 + [True]
+
+    def walked(picked):  # the target's token per node -> (accepted path, the next bonus)
+        w = walk(trees, anc, torch.tensor([picked]))
+        a = int(w.accepted[0])
+        assert w.new[0, :a + 1].tolist() == [picked[j] for j in w.path[0, :a + 1].tolist()]
+        return w.path[0, :a + 1].tolist(), int(w.bonus[0])
+
+    # root says 5 -> node 1 says 7 -> node 3 says 8 -> node 4 says 9 (no child)
+    assert walked([5, 7, 0, 8, 9, 9]) == ([0, 1, 3, 4], 9)
+    assert walked([6, 0, 1, 0, 0, 9]) == ([0, 2], 1)
+    assert walked([3, 0, 0, 0, 0, 9]) == ([0], 3)
+    # a chain walks the same with or without its shortcut
+    chain = chains(torch.tensor([[4, 5, 6], [4, 5, 6]]))
+    picked = torch.tensor([[4, 5, 0, 1], [1, 2, 3, 4]])
+    full, short = walk(chain, ancestors(chain.parents), picked), walk(chain, ancestors(chain.parents), picked, chain=True)
+    assert full.accepted.tolist() == short.accepted.tolist() == [2, 0]
+    assert full.bonus.tolist() == short.bonus.tolist() == [0, 1]
+    assert torch.equal(ancestors(chain.parents), verification(torch.tensor([1, 2]), chain, chain=True)[2])
 
 
 def test_top_p_keeps_the_smallest_nucleus():
@@ -215,21 +238,18 @@ def test_static_and_hf_runners_agree_on_a_tree_round(tiny_target):
     for eng in (st, hf):
         eng.prefill(prompts, capacity=80)
     bonus = torch.tensor([5, 9])
-    torch.testing.assert_close(st.draft(bonus), hf.draft(bonus), atol=1e-5, rtol=1e-5)
-    trees = [build_tree(*torch.log_softmax(torch.randn(7, 128), -1).topk(3, dim=-1), budget=n) for n in (12, 8)]
-    q = 13
-    tokens = torch.tensor([[5, *t.tokens] + [0] * (q - 1 - len(t)) for t in trees])
-    depths = torch.tensor([[0, *t.depths] + [0] * (q - 1 - len(t)) for t in trees])
-    anc = torch.stack([t.ancestors(q) for t in trees])
+    torch.testing.assert_close(st.draft(bonus).logits, hf.draft(bonus).logits, atol=1e-5, rtol=1e-5)
+    trees = ragged_trees([12, 8], 128, torch.Generator().manual_seed(3), slots=7)
+    tokens, depths, anc = verification(bonus, trees)
     torch.testing.assert_close(st.verify(tokens, depths, anc), hf.verify(tokens, depths, anc), atol=1e-5, rtol=1e-5)
     paths = []
-    for t in trees:
-        kids = t.children()
+    for r in range(2):
+        kids = children(trees, r)
         second = list(kids[0].values())[1]
         paths.append([0, second, *list(kids[second].values())[:1]])
     for eng in (st, hf):
         eng.commit(paths)
-    torch.testing.assert_close(st.draft(bonus), hf.draft(bonus), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.draft(bonus).logits, hf.draft(bonus).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
@@ -633,10 +653,10 @@ def test_serve_speculative_with_openai_client(smollm2, tmp_path):
 
 
 def test_cost_curve_picks_the_best_prefix():
-    from dflashkit.decode.cost import CostCurve, chain_expectation, tree_expectation
+    from dflashkit.decode.cost import CostCurve, tree_expectation
 
     conf = torch.tensor([[0.9, 0.8, 0.1, 0.1]])  # one row: slots 1-2 likely accepted, 3-4 not
-    exp = chain_expectation(conf)
+    exp = tree_expectation(conf.log().cumsum(1))  # a chain's scores: running sums of its slots' log-probabilities
     torch.testing.assert_close(exp, torch.tensor([1.0, 1.9, 2.62, 2.692, 2.6992]))
     flat = CostCurve([1, 5], [1.0, 1.0])  # memory-bound: verifying more is free
     steep = CostCurve([1, 5], [1.0, 5.0])  # compute-bound: each token costs a step
@@ -651,7 +671,10 @@ def test_cost_curve_picks_the_best_prefix():
     # a width must also repay the stall of reading the confidences before verifying
     assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0], stall_seconds=0.35).worth_choosing().widths == [1, 8]
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
-    torch.testing.assert_close(tree_expectation([[0.0, -0.693147, -1e9]], 3), torch.tensor([1.0, 2.0, 2.5, 2.5]))
+    torch.testing.assert_close(tree_expectation(torch.tensor([[0.0, -0.693147, -1e9]])), torch.tensor([1.0, 2.0, 2.5, 2.5]))
+    # summed over rows
+    torch.testing.assert_close(tree_expectation(torch.tensor([[0.0, -1e9], [-0.693147, -0.693147]])),
+                               torch.tensor([2.0, 3.5, 4.0]))
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
@@ -689,12 +712,12 @@ def test_rounds_without_a_draft_leave_the_drafter_its_whole_context(tiny_target,
             if r:
                 out[j].append(int(bonus[j]))
         bonus = torch.where(torch.tensor(run), logits[:, 0].argmax(-1), bonus)
-    got = eng.draft(bonus)
+    got = eng.draft(bonus).logits
     ref_eng = ENGINES[engine](tiny_target, drafter)
     full = [torch.cat([p, torch.tensor(o, dtype=torch.long)]) for p, o in zip(prompts, out)]
     ref_bonus = ref_eng.prefill(full, capacity=64).argmax(-1)
     assert ref_bonus.tolist() == bonus.tolist()
-    torch.testing.assert_close(got, ref_eng.draft(ref_bonus), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, ref_eng.draft(ref_bonus).logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
@@ -712,7 +735,7 @@ def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, mon
         calls = itertools.count()  # the pattern starts again for each method
         eng, drafts = ENGINES[engine](tiny_target, drafter), []
         draft = eng.draft
-        eng.draft = lambda bonus: drafts.append(1) or draft(bonus)
+        eng.draft = lambda bonus, *a: drafts.append(1) or draft(bonus, *a)
         gens = generate_batch(eng, prompts, max_new_tokens=40, method=method, budget=budget, cost_aware=True)
         assert [g.tokens for g in gens] == refs, method
         rounds = max(g.rounds for g in gens)

@@ -6,8 +6,9 @@ import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
 from dflashkit.decode.loop import generate
-from dflashkit.decode.static import attend, attend_few, folded_mask, static_engine
+from dflashkit.decode.static import attend, folded_mask, static_engine
 from dflashkit.decode.tree import visibility
+from dflashkit.drafter import additive, attend_few, attend_heads
 
 
 def test_fused_weights_are_views_not_copies():
@@ -172,7 +173,7 @@ def test_compiled_draft_step_is_one_graph():
     engine = static_engine(target, drafter, cuda_graphs=False, pack=False)  # as on CUDA: no packed weights
     torch._dynamo.reset()
     counters.clear()
-    engine.draft_step = torch.compile(engine._draft_step, dynamic=True, backend="eager")
+    engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True, backend="eager")
     engine.prefill([torch.randint(3, 120, (30,))], capacity=128)
     width = engine.pending.shape[2]
     for accepted in (3, 5, 2, 0):  # after the prompt's context (run as it is), a round's accepted features
@@ -248,3 +249,8 @@ def test_few_query_attention_equals_sdpa():
     torch.testing.assert_close(attend_few(q, k, v, mask, d ** -0.5), want, rtol=1e-5, atol=1e-5)
     # the mask matters: without it the output differs
     assert not torch.allclose(attend_few(q, k, v, torch.zeros_like(mask), d ** -0.5), want, atol=1e-3)
+    # the drafter's layout (heads unfolded, a [t, K] mask): the same rule as SDPA with GQA
+    qh, dmask = torch.randn(1, kv * g, t, d), additive(torch.rand(1, 1, t, n) < 0.7, torch.float32)
+    dmask[..., 0] = 0.0  # every query sees a key
+    want = torch.nn.functional.scaled_dot_product_attention(qh, k[:1], v[:1], attn_mask=dmask, enable_gqa=True)
+    torch.testing.assert_close(attend_heads(qh, k[:1], v[:1], dmask), want, rtol=1e-5, atol=1e-5)

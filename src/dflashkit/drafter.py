@@ -202,13 +202,42 @@ class CacheSlots:
     n: int
 
 
+FEW_QUERIES = 128  # queries of a one-row CUDA pass up to which `attend_few` replaces SDPA
+
+
+def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention written out (scores and softmax in fp32, then p v), for passes of few queries on
+    CUDA: q [b, kv, g*t, d] (the g query heads of each KV group folded into the query axis), k/v
+    [b, kv, K, d], mask additive [b, 1, g*t, K]. There a flash kernel has a thread block per KV
+    head and walks all K keys in each: on an H200, 22 us a call for 16 queries of a Qwen3-8B layer
+    over 768 slots, against 9 us for these two small GEMMs and one fused softmax (compiled). Only
+    for one row: from 4 rows of 16 queries at SmolLM2's head shapes (9 / 3 / 64) the flash kernel
+    wins (18 against 9 us), at Qwen3-8B's it still loses (12 against 9 us)
+    (benchmarks/bench_attention.py, docs/benchmarks.md)."""
+    s = (q @ k.transpose(-1, -2)).float() * scale + mask
+    return s.softmax(-1).to(v.dtype) @ v
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any, gqa: bool) -> Tensor:
-    """q [b, h, q, d], k/v [b, kv, K, d]; mask: None, bool [b|1, 1, q, K] or a FlexAttention BlockMask;
-    gqa: kv < h, from the config (a comparison of shapes is symbolic under torch.compile(dynamic=True),
-    and SDPA refuses it: the compiled step broke in two at every layer)."""
+    """q [b, h, q, d], k/v [b, kv, K, d]; mask: None, additive or bool [b|1, 1, q, K] or a
+    FlexAttention BlockMask; gqa: kv < h, from the config (a comparison of shapes is symbolic under
+    torch.compile(dynamic=True), and SDPA refuses it: the compiled step broke in two at every
+    layer). One row of few queries on CUDA (a draft at batch 1) goes through `attend_few`."""
     if masks_mod.is_block_mask(mask):
         return masks_mod.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    b, _, t, _ = q.shape
+    if q.is_cuda and b == 1 and t <= FEW_QUERIES and torch.is_tensor(mask) and mask.dtype != torch.bool:
+        return attend_heads(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attend_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """`attend_few` in `attend`'s layout: q [b, h, t, d] (query head i reads KV head i // g),
+    k/v [b, kv, K, d], mask additive [b, 1, t, K] -> [b, h, t, d]."""
+    b, h, t, d = q.shape
+    g = h // k.shape[1]
+    out = attend_few(q.reshape(b, k.shape[1], g * t, d), k, v, mask.repeat(1, 1, g, 1), d ** -0.5)
+    return out.view(b, h, t, d)
 
 
 class Attention(nn.Module):

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
-from dflashkit.decode.tree import Tree, build_tree, walk
+from dflashkit.decode.tree import draft_trees, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.objective import replay_rounds
 from dflashkit.target import Target
@@ -122,25 +122,21 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
         return out, spans
     end_of = {p: e for a, e in spans for p in range(a, e - 1)}
     feats = item.features.to(device=dev, dtype=head.dtype)[None]
-    k = top_k if any(m == "ddtree" for _, m, _ in labels) else 1
     for i in range(0, len(anchors), chunk):
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
         logits = head.lm_head(h).view(len(part), B, -1)[:, 1:]
-        chain = logits.argmax(-1).tolist()  # the same op as online DFlash
-        lp, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
-        lp, tok = lp.cpu(), tok.cpu()
-        for j, p in enumerate(part):
-            # truth[d] = the data's token at depth d of the tree (root = the bonus p, depth 0)
-            truth = [int(t) if p + d + 1 < end_of[p] else -1 for d, t in enumerate(ids[p + 1:p + B].tolist())]
-            truth += [-1] * (B - len(truth))
-            for label, method, budget in labels:
-                if method == "dflash":
-                    tree = Tree.chain(chain[j])
-                else:
-                    tree = build_tree(lp[j, :, :top_k], tok[j, :, :top_k], budget)
-                path, _ = walk(tree, [truth[0]] + [truth[d] for d in tree.depths])
-                out[label][p] = len(path) - 1
+        # truth[j, d]: the data's token after depth d of anchor j's tree (its root, depth 0, is the
+        # bonus p); -1 past the answer, where nothing matches
+        at = torch.tensor(part, device=dev)
+        pos = at[:, None] + 1 + torch.arange(B, device=dev)
+        ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
+        truth = torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
+        for label, method, budget in labels:
+            chain = method == "dflash"  # the same ops as online decoding
+            trees, _, depths, anc = draft_trees(logits, ids[at], None if chain else budget, top_k)
+            walked = walk(trees, anc, truth.gather(1, depths), chain)
+            out[label].update(zip(part, walked.accepted.tolist()))
     return out, spans
 
 

@@ -154,20 +154,11 @@ def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
     return CostCurve(list(widths), seconds, stall_seconds=stall).worth_choosing()
 
 
-def chain_expectation(probs: Tensor) -> Tensor:
-    """probs [b, k]: the drafter's probability of its own token per slot -> expected tokens of a
-    round that verifies the first 0..k of them, summed over rows: [k + 1] (the target's own token
-    at the end of the accepted path always counts)."""
-    accept = torch.cumprod(probs.float(), dim=1).sum(0)  # [k]: expected rows reaching slot j
-    return torch.cat([probs.new_ones(1).float() * probs.shape[0], probs.shape[0] + torch.cumsum(accept, 0)])
-
-
-def tree_expectation(scores: list[list[float]], max_nodes: int) -> Tensor:
-    """scores: per row, each node's summed log-probability in best-first order -> expected tokens of
-    a round that verifies the first 0..max_nodes nodes of each row's tree, summed over rows."""
-    out = torch.full((max_nodes + 1,), float(len(scores)))
-    for row in scores:
-        p = torch.tensor(row[:max_nodes], dtype=torch.float64).exp()
-        out[1:len(p) + 1] += torch.cumsum(p, 0).float()
-        out[len(p) + 1:] += float(p.sum())
-    return out
+def tree_expectation(scores: Tensor) -> Tensor:
+    """scores [b, m]: each node's summed log-probability, best-first trees (a chain's are the
+    running sums of its slots' log-probabilities) -> expected tokens of a round that verifies the
+    first 0..m nodes of each row's tree, summed over rows: [m + 1]. A node is accepted with the
+    probability of its path, and the target's own token at the end of the path always counts."""
+    b = scores.shape[0]
+    reach = scores.double().exp().sum(0).cumsum(0).float()  # expected accepted nodes among the first j
+    return torch.cat([reach.new_zeros(1), reach]) + b

@@ -2,6 +2,7 @@
 
     prefill(prompts)            -> the target's logits at each row's last prompt token [b, V]
     draft(bonus)                -> the drafter's logits for the B-1 positions after each bonus [b, B-1, V]
+                                   and each row's tree from them
     verify(tokens, depths, anc) -> the target's logits at each verified node [b, q, V]
     commit(paths)               keeps each row's accepted path (the one rollback, `KVCache.commit`)
 
@@ -18,14 +19,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
-from dflashkit.decode.tree import visibility
+from dflashkit.decode.tree import Trees, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
 
@@ -49,6 +50,17 @@ def _passes(fn: Callable) -> Callable:
         with torch.no_grad(), attention_backends():
             return fn(*args, **kwargs)
     return run
+
+
+class Draft(NamedTuple):
+    """A draft round: the drafter's logits [b, B-1, V], each row's tree and what the target
+    verifies of it (`tree.verification`: tokens, depths [b, q], ancestors [b, q, q])."""
+
+    logits: Tensor
+    trees: Trees
+    tokens: Tensor
+    depths: Tensor
+    ancestors: Tensor
 
 
 class Runner(Protocol):
@@ -157,6 +169,7 @@ class Engine:
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
+        self.draft_logits = self._draft_logits  # and may compile this part of it
         self.lm_head = target.lm_head  # hidden [..., H] -> logits; the static engine may pack its weight
         self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
         # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
@@ -220,23 +233,34 @@ class Engine:
             self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
         return self.lm_head(last)
 
-    def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
+    def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
         h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, ctx_start, start, n)
         return self.lm_head(h[:, 1:])
 
+    def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
+                    budget: int | None, top_k: int, scored: bool) -> Draft:
+        logits = self.draft_logits(feats, bonus, ctx_start, start, n)
+        return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
+
     @_passes
-    def draft(self, bonus: Tensor) -> Tensor:
-        """bonus [b] at positions `lengths` -> drafter logits [b, B-1, V] for the next B-1 positions."""
+    def draft(self, bonus: Tensor, budget: int | None = None, top_k: int = 4, scored: bool = False) -> Draft:
+        """bonus [b] at positions `lengths` -> the drafter's logits [b, B-1, V] for the next B-1
+        positions and each row's tree from them (`tree.draft_trees`: budget None, DFlash's chain;
+        else DDTree's best-first tree), built in the same step (one CUDA graph)."""
         B, dc = self.drafter.config.block_size, self.dcache
         # The prompt's context, or what rounds without a draft left: any length, run as it is.
-        feats, step, self.pending_read = self.pending, self._draft_step, True
+        feats, self.pending_read = self.pending, True
         self.caught_up = feats.shape[1] > B  # a long context (a prompt, or rounds without a draft) run as it is
         if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
-            step = self.draft_step if dc.k is not None else step  # buffers are allocated outside any graph
         dc.reserve(max(max(self.lengths), max(dc.lengths) + feats.shape[1]) + B)
         n = dc.span(max(self.lengths) + B, self.slot_bucket)
-        out = step(feats, bonus, dc.lengths_t, self.cache.lengths_t, n)
+        args = (feats, bonus, dc.lengths_t, self.cache.lengths_t, n, budget, top_k, scored)
+        if feats.shape[1] <= B and dc.k is not None:  # (buffers are allocated outside any graph)
+            out = self.draft_step(*args)
+        else:  # eagerly, uncompiled: a shape that seldom comes again must not compile mid-serving
+            with torch.compiler.set_stance("force_eager"):
+                out = self._draft_step(*args)
         dc.advance(self.pending_counts)
         return out
 

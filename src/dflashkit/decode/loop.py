@@ -35,12 +35,12 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode import cost
-from dflashkit.decode.cache import to_device, to_host
-from dflashkit.decode.engine import Engine
+from dflashkit.decode.cache import to_host
+from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
 from dflashkit.decode.static import static_engine, supported
-from dflashkit.decode.tree import Tree, build_tree, prefix, walk, walk_chains
+from dflashkit.decode.tree import Trees, chains, prefix, verification, walk
 
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
@@ -96,36 +96,18 @@ def _per_row(value: Any, n: int, name: str) -> list[Any]:
     return values
 
 
-def _trees(dlogits: Tensor | None, bonus: Tensor, method: str, budget: int | None, top_k: int,
-           curve: cost.CostCurve | None = None) -> tuple[list[Tree] | None, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Each row's draft tree from the drafter's logits [b, B-1, V], and what verification needs:
-    tokens and depths [b, q], ancestors [b, q, q] (None for chains), and, for a chain per row
-    (DFlash, or AR's chain of no draft token), the chain's draft tokens still on the device
-    [b, q - 1] in place of host trees (None). With a cost `curve`, only the prefix of the draft
-    that maximises expected tokens per second is kept (the same size for every row)."""
-    b, dev = bonus.shape[0], bonus.device
-    if method == "ar":
-        return None, bonus[:, None], torch.zeros(b, 1, dtype=torch.long, device=dev), None, bonus[:, None][:, :0]
-    if curve is not None and len(curve.widths) == 1:  # only the full width pays: as without a curve
-        curve = None
-    if method == "dflash":  # the chain stays on the device: one host transfer per round, after verify
-        if curve is None:
-            chain = dlogits.argmax(-1)
-        else:
-            conf, chain = torch.softmax(dlogits.float(), -1).max(-1)
-            chain = chain[:, :curve.best_width(cost.chain_expectation(conf.cpu())) - 1]
-        depths = torch.arange(chain.shape[1] + 1, device=dev).expand(b, -1)
-        return None, torch.cat([bonus[:, None], chain], 1), depths, None, chain
-    lp, ids = torch.log_softmax(dlogits.float(), -1).topk(top_k, dim=-1)
-    trees = [build_tree(l, i, budget) for l, i in zip(lp.cpu(), ids.cpu())]
-    if curve is not None:
-        m = curve.best_width(cost.tree_expectation([t.scores for t in trees], budget)) - 1
-        trees = [prefix(t, m) for t in trees]
-    q = 1 + max(len(t) for t in trees)
-    tokens = torch.tensor([t.tokens + [0] * (q - 1 - len(t)) for t in trees], dtype=torch.long)
-    depths = torch.tensor([[0, *t.depths] + [0] * (q - 1 - len(t)) for t in trees])
-    anc = torch.stack([t.ancestors(q) for t in trees])
-    return trees, torch.cat([bonus[:, None], tokens.to(dev)], 1), depths.to(dev), anc.to(dev), None
+def _trees(draft: Draft | None, bonus: Tensor, curve: cost.CostCurve | None) -> tuple[Trees, Tensor, Tensor, Tensor]:
+    """Each row's tree (none for an autoregressive round) and the `tree.verification` tensors:
+    tokens and depths [b, q], ancestors [b, q, q]. With a cost `curve`, only the prefix of the
+    draft that maximises expected tokens per second is kept (the same size for every row)."""
+    if draft is None:
+        trees = chains(bonus[:, None][:, :0])
+        return (trees, *verification(bonus, trees, chain=True))
+    trees, tokens, depths, anc = draft[1:]
+    if curve is None or len(curve.widths) == 1:  # only the full width pays: as without a curve
+        return trees, tokens, depths, anc
+    q = curve.best_width(cost.tree_expectation(trees.scores.cpu()))
+    return prefix(trees, q - 1), tokens[:, :q], depths[:, :q], anc[:, :q, :q]
 
 
 @dataclass
@@ -158,10 +140,10 @@ class _Round:
     """A round launched on the device whose host side (`decode_stream`'s finish) is still to run."""
 
     running: list[bool]  # rows that decode in it
-    trees: list[Tree] | None  # None: a chain per row, walked on the device
-    read: Callable[[], list]  # its tokens on the host, waiting for them
+    read: Callable[[], list]  # per row [accepted, the path's nodes..., the target's tokens at them...], waiting for them
     logits: Tensor | None  # kept for record_top
     width: int  # verified nodes per row
+    chain: bool  # every row's tree is a chain (DFlash, AR)
     started: float
     drafted: bool  # False: an autoregressive round (no draft, or cost-aware decoding chose none)
 
@@ -277,15 +259,11 @@ def decode_stream(
     def finish(rnd: _Round) -> tuple[Step, Tensor | None]:
         """A launched round's host side: read its tokens, walk the trees, commit what each row
         keeps (AR rounds committed at launch) -> (the stream step, the next bonus of tree rounds)."""
-        host, tree_bonus = rnd.read(), None
-        if rnd.trees is None:  # chains: [accepted, the target's tokens...] per row
-            paths: list[Sequence[int]] = [range(h[0] + 1) for h in host]  # nodes 0..accepted
-            news = [h[1:h[0] + 2] for h in host]  # accepted draft tokens equal the target's, then its next one
-        else:
-            walks = [walk(t, h) for t, h in zip(rnd.trees, host)]  # (accepted path, the target's token after it)
-            paths = [path for path, _ in walks]
-            news = [[tree.tokens[j - 1] for j in path[1:]] + [last] for tree, (path, last) in zip(rnd.trees, walks)]
-            tree_bonus = to_device([last for _, last in walks], dev)  # no wait: the next draft queues behind it
+        host, w = rnd.read(), rnd.width
+        # a chain's path is nodes 0..accepted; new tokens: the accepted draft tokens (equal to the
+        # target's), then its next one
+        paths: list[Sequence[int]] = [range(h[0] + 1) if rnd.chain else h[1:h[0] + 2] for h in host]
+        news = [h[1 + w:2 + w + h[0]] for h in host]
         top = _top(rnd.logits, record_top) if record_top else None
         if rnd.drafted:
             engine.commit([path if run else range(0) for path, run in zip(paths, rnd.running)])  # idle rows: nothing
@@ -312,7 +290,7 @@ def decode_stream(
             if profile:
                 row.res.stage_seconds = dict(stages.seconds)
             step.append((row.index, new, row.res))
-        return step, tree_bonus
+        return step
 
     curve, drafting = None, None
     if cost_aware and method != "ar":
@@ -330,7 +308,7 @@ def decode_stream(
         running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
         joining = list(admit(sum(running))) if admit is not None else []
         if inflight is not None and (not any(running) or not engine.fixed_rows and not all(running)):
-            step, inflight = finish(inflight)[0], None  # what runs next, or leaves the batch, depends on it
+            step, inflight = finish(inflight), None  # what runs next, or leaves the batch, depends on it
             yield step
             continue
         if not any(running) and not joining:
@@ -358,29 +336,27 @@ def decode_stream(
         stages.start()
         t_round = time.perf_counter()
         drafted = method != "ar" and (drafting is None or drafting.choose())
-        dlogits = engine.draft(bonus) if drafted else None  # [b, B-1, V]
+        scored = curve is not None and len(curve.widths) > 1  # cost-aware: the tree's scores are read
+        draft = engine.draft(bonus, None if method == "dflash" else budget, top_k, scored) if drafted else None
         stages.mark("draft")
-        trees, tokens, depths, anc, chain = _trees(dlogits, bonus, method if drafted else "ar", budget, top_k, curve)
+        trees, tokens, depths, anc = _trees(draft, bonus, curve)
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)  # [b, q, V]
         picked = row_tokens(logits, [row.request.sampling if row else GREEDY for row in batch],
                             [row.gen if row else None for row in batch])  # [b, q]
         stages.mark("verify")
-        if chain is not None:  # a chain per row: the walk on the device, the next bonus stays there
-            accepted, bonus = walk_chains(chain, picked)
-            read = to_host(torch.cat([accepted[:, None], picked], 1))  # the round's one transfer to the host
-        else:
-            read = to_host(picked)
-        rnd = _Round(running, trees, read, logits if record_top else None, tokens.shape[1], t_round, drafted)
+        chain = method != "ddtree" or not drafted
+        walked = walk(trees, anc, picked, chain)  # on the device: the next bonus stays there
+        bonus = walked.bonus
+        read = to_host(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
+        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted)
         if not drafted:  # each running row keeps its one node: the commit needs nothing from the host
             engine.commit([range(1) if run else range(0) for run in running])
         if not lag:
-            step, tree_bonus = finish(rnd)
-            bonus = bonus if tree_bonus is None else tree_bonus
-            yield step
+            yield finish(rnd)
             continue
         if inflight is not None:  # the last round's tokens, read while this one runs on the device
-            yield finish(inflight)[0]
+            yield finish(inflight)
         inflight = rnd
 
 

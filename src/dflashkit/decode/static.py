@@ -31,7 +31,7 @@ from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends
 from dflashkit.decode.tree import visibility
-from dflashkit.drafter import DFlashDrafter, additive, apply_rope
+from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
 from dflashkit.target import Target
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -341,20 +341,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-FEW_QUERIES = 128  # queries of a one-row CUDA pass up to which `attend_few` replaces SDPA
-
-
-def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """`attend` written out (scores and softmax in fp32, then p v), for passes of few queries on
-    CUDA. There a flash kernel has a thread block per KV head and walks all n keys in each:
-    on an H200, 22 us a call for 16 queries of a Qwen3-8B layer over 768 slots, against 9 us for
-    these two small GEMMs and one fused softmax (compiled). Only for one row: from 4 rows of 16
-    queries at SmolLM2's head shapes (9 / 3 / 64) the flash kernel wins (18 against 9 us), at
-    Qwen3-8B's it still loses (12 against 9 us) (benchmarks/bench_attention.py, docs/benchmarks.md)."""
-    s = (q @ k.transpose(-1, -2)).float() * scale + mask
-    return s.softmax(-1).to(v.dtype) @ v
-
-
 class Graphs:
     """Replays `fn` from CUDA graphs captured once per call signature (input shapes and plain
     arguments); eager off CUDA. Outputs live in the graph's memory and are valid until the next
@@ -569,8 +555,8 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
                   layer_ids: list[int] | None = None, pack: bool | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
     target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
-    drafter's step. compile_drafter: torch.compile the drafter's whole step
-    (its layers, masks and cache writes) before capture. layer_ids: the taps whose features the
+    drafter's step with its tree building. compile_drafter: torch.compile the drafter's pass (its
+    layers, masks, cache writes and LM head) before capture. layer_ids: the taps whose features the
     engine keeps (default: the drafter's). pack: oneDNN's packed weights for the target's layers
     and LM head (default: fp32 on a CPU, `packable`)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -590,9 +576,10 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         weight = pack_weight(head.weight, head)
         engine.lm_head = lambda hidden: target.lm_head(hidden, lambda x: linear(x, weight, head.bias))
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
-    step = torch.compile(engine._draft_step, dynamic=True) if compile_drafter else engine._draft_step
+    if compile_drafter:  # the drafter's pass; its tree building (a beam search) would take minutes to compile
+        engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True)
     if graphs and drafter is not None:
-        engine.draft_step = Graphs(step, lambda: engine.dcache.k.data_ptr())
+        engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
     if runner_graphs:
         engine.commit_step = graphed_commit(engine.cache)
     return engine

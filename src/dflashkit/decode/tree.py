@@ -1,104 +1,163 @@
 """Draft trees: building, the target's attention rule over them, and the acceptance walk.
 
-Pure functions. A round verifies, per row, the bonus token (node 0, the root) and draft nodes
-1..m; DFlash is the special case of a single chain, autoregressive decoding the case of no node.
+Pure tensor functions over b rows at once, on the device that holds the drafter's logits (no
+host round trip inside a round). A round verifies, per row, the bonus token (node 0, the root)
+and draft nodes 1..m; DFlash is the special case of a single chain, autoregressive decoding the
+case of no node.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 
-@dataclass
-class Tree:
-    """Draft nodes 1..m under the root 0 (the bonus token). `parents[i-1]` is node i's parent."""
+class Trees(NamedTuple):
+    """b draft trees of m nodes each under their roots (node 0, the bonus token, not stored).
+    tokens [b, m]; parents [b, m]: node i's parent (in 0..i-1; a padding node, which is never
+    accepted, is its own parent); depths [b, m] (1..); scores [b, m]: summed log-probability of
+    the path to the node (best-first trees: non-increasing along the nodes)."""
 
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int]
-    scores: list[float] = field(default_factory=list, compare=False)  # summed log-probability (best-first trees)
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    scores: Tensor
 
-    @classmethod
-    def chain(cls, tokens: list[int]) -> "Tree":
-        """DFlash: node k (depth k) under node k-1."""
-        return cls(list(tokens), list(range(len(tokens))), list(range(1, len(tokens) + 1)))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def ancestors(self, size: int | None = None) -> Tensor:
-        """bool [size, size] (default m+1): node i may attend to node j (j is i or an ancestor of i).
-        Rows past the tree (padding of a batch) see only themselves."""
-        size = len(self) + 1 if size is None else size
-        lines = [[0]]  # node i's ancestors and itself; parents precede children
-        for i, p in enumerate(self.parents, start=1):
-            lines.append(lines[p] + [i])
-        lines += [[i] for i in range(len(lines), size)]
-        rows = [i for i, line in enumerate(lines) for _ in line]
-        anc = torch.zeros(size, size, dtype=torch.bool)
-        anc[rows, [j for line in lines for j in line]] = True  # one op: tree building stays cheap
-        return anc
-
-    def children(self) -> list[dict[int, int]]:
-        kids: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
-        for i, (p, t) in enumerate(zip(self.parents, self.tokens), start=1):
-            kids[p][t] = i
-        return kids
+    @property
+    def size(self) -> int:  # m (not __len__: a NamedTuple's length is its field count)
+        return self.tokens.shape[1]
 
 
-def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> Tree:
-    """Best-first tree from per-slot top-K (logprobs/token_ids [B-1, K], sorted descending).
-
-    A prefix's score is the sum of its slots' log-probabilities. Popping the best candidate and
-    pushing its next sibling (same slot, next rank) and its first child (next slot, rank 0)
-    enumerates prefixes in exactly descending score order, so the first `budget` pops are the
-    `budget` best prefixes, and each one's parent is already in the tree."""
-    lp, ids = logprobs.tolist(), token_ids.tolist()
-    slots, k = len(lp), len(lp[0]) if lp else 0
-    tree = Tree([], [], [])
-    heap = [(-lp[0][0], 0, 0, 0, 0.0)] if slots and budget > 0 else []  # (-score, parent, slot, rank, parent score)
-    while heap and len(tree) < budget:
-        neg, parent, slot, rank, pscore = heapq.heappop(heap)
-        tree.tokens.append(ids[slot][rank])
-        tree.parents.append(parent)
-        tree.depths.append(slot + 1)
-        tree.scores.append(-neg)
-        node = len(tree)
-        if rank + 1 < k:
-            heapq.heappush(heap, (-(pscore + lp[slot][rank + 1]), parent, slot, rank + 1, pscore))
-        if slot + 1 < slots:
-            heapq.heappush(heap, (neg - lp[slot + 1][0], node, slot + 1, 0, -neg))
-    return tree
+def chains(tokens: Tensor, scores: Tensor | None = None) -> Trees:
+    """tokens [b, m] -> DFlash's trees: node k (depth k) under node k-1."""
+    b, m = tokens.shape
+    k = torch.arange(m, device=tokens.device).expand(b, -1)
+    return Trees(tokens, k, k + 1, tokens.new_zeros(b, m, dtype=torch.float) if scores is None else scores)
 
 
-def prefix(tree: Tree, m: int) -> Tree:
-    """The first m nodes of a best-first tree: itself a best-first tree (parents come first)."""
-    return Tree(tree.tokens[:m], tree.parents[:m], tree.depths[:m], tree.scores[:m])
+TIE = 1e-9  # per depth: of two prefixes with equal scores the shallower comes first
 
 
-def walk(tree: Tree, tokens: list[int]) -> tuple[list[int], int]:
-    """Follow the target's token (`tokens[i]` at node i) down the tree. Returns the accepted path
-    (node indices, root first) and the target's token after it (the next bonus).
+def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
+    """The best `budget` prefixes of per-slot top-K choices (logprobs/token_ids [b, S, K], each
+    slot sorted descending), a prefix scored by the sum of its slots' log-probabilities, as trees
+    in descending score order (each node after its parent).
+
+    A beam search of width `budget`: the best prefixes of depth d extend the best of depth d-1
+    (a prefix scores at most its parent, so a parent outside the beam would leave `budget`
+    better children in it). The nodes are then the best `budget` over all depths; ties go to the
+    shallower prefix (`TIE`), so a node never outranks its parent and the set is closed under
+    parents. Fixed shapes and no host read: a CUDA graph captures it (`static_engine`)."""
+    b, S, K = logprobs.shape
+    dev = logprobs.device
+    beam = logprobs.new_zeros(b, 1)  # the root's score
+    base = 0  # index of the beam's first node among all candidates (the root: 0, then 1...)
+    scores, parents, tokens, depths = [], [], [], []
+    for s in range(S):
+        cand = (beam[:, :, None] + logprobs[:, s, None, :]).flatten(1)  # [b, W * K]
+        beam, idx = cand.topk(min(budget, cand.shape[1]), dim=1)
+        scores.append(beam)
+        parents.append(base + torch.div(idx, K, rounding_mode="floor"))
+        tokens.append(token_ids[:, s].gather(1, idx % K))
+        depths.append(torch.full_like(idx, s + 1))
+        base += 1 if s == 0 else scores[-2].shape[1]
+    scores, parents, tokens, depths = (torch.cat(x, 1) for x in (scores, parents, tokens, depths))
+    m = min(budget, scores.shape[1])
+    pick = (scores.double() - TIE * depths).topk(m, dim=1).indices  # [b, m], best first
+    # candidate c is node new[c + 1] of the tree (new[0] = 0: the root)
+    new = torch.zeros(b, scores.shape[1] + 1, dtype=torch.long, device=dev)
+    new.scatter_(1, pick + 1, torch.arange(1, m + 1, device=dev).expand(b, -1))
+    return Trees(tokens.gather(1, pick), new.gather(1, parents.gather(1, pick)), depths.gather(1, pick),
+                 scores.gather(1, pick))
+
+
+def prefix(trees: Trees, m: int) -> Trees:
+    """The first m nodes of best-first trees: themselves best-first trees (parents come first)."""
+    return Trees(*(x[:, :m] for x in trees))
+
+
+def ancestors(parents: Tensor) -> Tensor:
+    """parents [b, m] -> bool [b, m+1, m+1]: node i may attend to node j (j is i or an ancestor
+    of i). A padding node (its own parent) sees only itself. Reachability by repeated squaring:
+    log2(depth) small matrix products instead of a walk per node."""
+    b, m = parents.shape
+    q = m + 1
+    up = torch.cat([parents.new_zeros(b, 1), parents], 1)  # the root is its own parent
+    anc = torch.eye(q, dtype=torch.float, device=parents.device).expand(b, -1, -1).clone()
+    anc.scatter_(2, up[..., None], 1.0)
+    for _ in range(max(1, int(m)).bit_length()):  # paths of length <= 2^k, k > log2(m) >= log2(depth)
+        anc = (anc @ anc).clamp_(max=1.0)
+    return anc.bool()
+
+
+def verification(bonus: Tensor, trees: Trees, chain: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """What the target verifies: tokens [b, m+1] (the bonus, then the nodes), positions relative
+    to the bonus (depths) [b, m+1] and the ancestor rule [b, m+1, m+1]. chain: the trees are
+    `chains` (the rule is causal: one kernel)."""
+    b, q = bonus.shape[0], trees.size + 1
+    zero = trees.depths.new_zeros(b, 1)
+    anc = (torch.ones(q, q, dtype=torch.bool, device=bonus.device).tril().expand(b, -1, -1) if chain
+           else ancestors(trees.parents))
+    return torch.cat([bonus[:, None], trees.tokens], 1), torch.cat([zero, trees.depths], 1), anc
+
+
+def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int,
+                scored: bool = False) -> tuple[Trees, Tensor, Tensor, Tensor]:
+    """The drafter's logits [b, B-1, V] and bonus tokens [b] -> each row's tree and its
+    `verification` tensors. budget None: DFlash's chain of argmax tokens (scored: with the
+    scores that cost-aware drafting reads; a pass over the logits, else skipped); else DDTree's
+    best-first tree of `budget` nodes from the top-`top_k` tokens of each slot."""
+    if budget is None:
+        if scored:
+            lp, tok = torch.log_softmax(dlogits.float(), -1).max(-1)
+            trees = chains(tok, lp.cumsum(1))
+        else:
+            trees = chains(dlogits.argmax(-1))
+    else:
+        trees = best_first(*torch.log_softmax(dlogits.float(), -1).topk(top_k, dim=-1), budget)
+    return (trees, *verification(bonus, trees, chain=budget is None))
+
+
+class Walk(NamedTuple):
+    """The acceptance walk of each row: accepted [b] (draft tokens kept); path [b, m+1]: the
+    node at each depth of the accepted path (root first; past `accepted`, 0); new [b, m+1]: the
+    target's token at each of those nodes (the accepted draft tokens, then the next bonus)."""
+
+    accepted: Tensor
+    path: Tensor
+    new: Tensor
+
+    @property
+    def bonus(self) -> Tensor:
+        return self.new.gather(1, self.accepted[:, None])[:, 0]
+
+
+def walk(trees: Trees, anc: Tensor, picked: Tensor, chain: bool = False) -> Walk:
+    """Follow the target's token (`picked` [b, m+1], its token at each node) down each tree: a
+    node is on the accepted path when its token and its ancestors' equal the target's token at
+    their parents. anc: `ancestors(trees.parents)`; chain: the trees are `chains` (the first
+    mismatch ends the path: fewer kernels).
 
     Sampled decoding stays lossless: the token at node i was drawn before anyone looked at i's
     children, and reaching i depends only on its ancestors' tokens."""
-    kids = tree.children()
-    path = [0]
-    while (nxt := kids[path[-1]].get(tokens[path[-1]])) is not None:
-        path.append(nxt)
-    return path, tokens[path[-1]]
-
-
-def walk_chains(chain: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """`walk` for a chain per row, on the device (no host read before the next round can be
-    queued): chain [b, m] draft tokens, tokens [b, m + 1] the target's token at the root and at
-    each draft node -> (accepted draft tokens [b], the target's token after them: the next bonus [b])."""
-    accepted = (chain == tokens[:, :-1]).cumprod(1).sum(1)
-    return accepted, tokens.gather(1, accepted[:, None])[:, 0]
+    b, m = trees.tokens.shape
+    dev = picked.device
+    if chain:
+        accepted = (trees.tokens == picked[:, :-1]).cumprod(1).sum(1)
+        return Walk(accepted, torch.arange(m + 1, device=dev).expand(b, -1), picked)
+    own = torch.arange(1, m + 1, device=dev)
+    match = (trees.tokens == picked.gather(1, trees.parents)) & (trees.parents < own)  # padding never matches
+    match = torch.cat([match.new_ones(b, 1), match], 1)  # the root is always kept
+    on = ~(anc & ~match[:, None, :]).any(-1)  # [b, m+1]: the node and all its ancestors match
+    depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1)
+    accepted = (depth * on).amax(1)
+    # node at each depth of the path: at most one node per depth matches (siblings differ)
+    path = torch.zeros(b, m + 2, dtype=torch.long, device=dev)
+    path.scatter_(1, torch.where(on, depth, m + 1), torch.arange(m + 1, device=dev).expand(b, -1))
+    path = path[:, :m + 1]
+    return Walk(accepted, path, picked.gather(1, path))
 
 
 def visibility(lengths: Tensor, depths: Tensor, ancestors: Tensor, n_slots: int,
