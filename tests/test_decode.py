@@ -60,7 +60,7 @@ class Oracle:
 
     def draft(self, bonus, budget=None, top_k=4, scored=False):
         real = self.engine.draft(bonus).logits
-        logits = torch.cat([self.proposers[r](n) for r, n in zip(self.rows, self.engine.lengths)]).to(real)
+        logits = torch.cat([self.proposers[r](n) for r, n in zip(self.rows, self.engine.cache.lengths_t.tolist())]).to(real)
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
 
 

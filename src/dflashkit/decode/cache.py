@@ -39,6 +39,9 @@ class KVCache:
         self._v: Tensor | None = None
         self.lengths: list[int] = []  # committed positions per row (host copy: no device sync to read it)
         self.lengths_t: Tensor | None = None  # the same on the device, [b]
+        # Slots committed on the device whose counts the host has not read yet (`commit_plan`,
+        # `settle`): the host's lengths are exact but late, and `bound` is an upper bound for now.
+        self.slack = 0
         self.reserved = 0  # slots the next write may touch
 
     @property
@@ -50,9 +53,14 @@ class KVCache:
         """Slots per row: allocated, or to be allocated at the first write."""
         return _aligned(self.reserved) if self.k is None else self.k.shape[3]
 
+    @property
+    def bound(self) -> int:
+        """At least the longest row's length, without waiting for the device."""
+        return max(self.lengths) + self.slack
+
     def start(self, batch: int, device: torch.device) -> None:
         """Forget everything: `batch` empty rows (buffers are kept when their shape allows)."""
-        self.lengths = [0] * batch
+        self.lengths, self.slack = [0] * batch, 0
         self.lengths_t = torch.zeros(batch, dtype=torch.long, device=device)
         self._view(batch)
         if self.linear is not None:
@@ -114,17 +122,41 @@ class KVCache:
         None when there is no device work (every path a chain, no linear layers)."""
         counts = [len(p) for p in keep]
         moves, fold = not all(map(is_chain, keep)), self.linear is not None and any(counts)
+        if not (moves or fold):  # chains over attention layers: the kept nodes are where they belong
+            if self.linear is not None:
+                self.linear.pending = None
+            self.advance(counts)
+            return None
+        q = max([width or 0, *counts])
+        plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
+        self.commit_plan(plan, moves, apply)
+        self.settle(counts, q)
+        return plan
+
+    def commit_plan(self, plan: Tensor, moves: bool, apply: Callable[[Tensor, Tensor, bool, bool], None] | None = None
+                    ) -> None:
+        """`commit` from a plan already on the device (as `commit` makes it; `Engine.commit_walk`
+        makes it from the acceptance walk, no host read): the device side only. The host's
+        lengths learn the counts when `settle` gives them; until then `bound` allows for the
+        plan's width. moves: some path may not be a chain."""
+        fold = self.linear is not None
         if fold and self.linear.pending is None:
             raise RuntimeError("KVCache.commit: no verification pass to commit (verify, then commit once)")
-        plan = None  # chains over attention layers need no device work: the kept nodes are where they belong
         if moves or fold:
-            q = max([width or 0, *counts])
-            plan = to_device([[*p, *range(len(p), q), len(p)] for p in keep], self.lengths_t.device)  # one transfer
             (apply or self.apply)(plan, self.lengths_t, moves, fold)
-        if self.linear is not None:
+        if fold:
             self.linear.pending = None
-        self.advance(counts, None if plan is None else plan[:, -1])
-        return plan
+        self.advance_late(plan[:, -1], plan.shape[1] - 1)
+
+    def advance_late(self, counts: Tensor, width: int) -> None:
+        """`advance` by counts [b] on the device, each at most `width`; `settle` tells the host."""
+        self.lengths_t = self.lengths_t + counts
+        self.slack += width
+
+    def settle(self, counts: Sequence[int], width: int) -> None:
+        """The host learns the counts of an `advance_late` (or `commit_plan`) of `width`."""
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.slack -= width
 
     def apply(self, plan: Tensor, lengths: Tensor, moves: bool, fold: bool) -> None:
         """The device side of `commit`: shapes fixed per (rows, width), every input a tensor or a

@@ -17,6 +17,7 @@ in both, its context in a second `KVCache`.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -26,7 +27,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
-from dflashkit.decode.tree import Trees, draft_trees, visibility
+from dflashkit.decode.tree import Trees, Walk, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
 
@@ -180,6 +181,7 @@ class Engine:
         self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
         self.caught_up = False  # the last draft took a long context (see `draft`)
         self.cost_state: dict = {}  # cost-aware decoding's curve and draft-or-not estimates (`decode_stream`)
+        self.late: collections.deque[tuple[Tensor, int]] = collections.deque()  # `commit_walk`s not settled yet
 
     @property
     def batch(self) -> int:
@@ -253,15 +255,18 @@ class Engine:
         self.caught_up = feats.shape[1] > B  # a long context (a prompt, or rounds without a draft) run as it is
         if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
-        dc.reserve(max(max(self.lengths), max(dc.lengths) + feats.shape[1]) + B)
-        n = dc.span(max(self.lengths) + B, self.slot_bucket)
+        dc.reserve(max(self.cache.bound, dc.bound + feats.shape[1]) + B)
+        n = dc.span(self.cache.bound + B, self.slot_bucket)
         args = (feats, bonus, dc.lengths_t, self.cache.lengths_t, n, budget, top_k, scored)
         if feats.shape[1] <= B and dc.k is not None:  # (buffers are allocated outside any graph)
             out = self.draft_step(*args)
         else:  # eagerly, uncompiled: a shape that seldom comes again must not compile mid-serving
             with torch.compiler.set_stance("force_eager"):
                 out = self._draft_step(*args)
-        dc.advance(self.pending_counts)
+        if isinstance(self.pending_counts, Tensor):  # a round committed on the device, not read yet
+            dc.advance_late(self.pending_counts, feats.shape[1])
+        else:
+            dc.advance(self.pending_counts)
         return out
 
     @_passes
@@ -271,7 +276,7 @@ class Engine:
         b, q = tokens.shape
         if ancestors is None:
             ancestors = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril().expand(b, -1, -1)
-        n = max(self.lengths) + q
+        n = self.cache.bound + q
         self.cache.reserve(n)
         hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
         return self.lm_head(hidden)
@@ -291,6 +296,36 @@ class Engine:
         else:  # a round without a draft (cost-aware decoding): the drafter's next context grows
             self.pending, self.pending_counts = ragged_cat(self.pending, self.pending_counts, new, counts)
         self.pending_read = False
+
+    def commit_walk(self, walked: Walk, running: Tensor, chain: bool) -> None:
+        """`commit` of each row's accepted path as the acceptance walk left it on the device
+        (rows not `running` [b] keep nothing), without a host read: the next round can be queued
+        before this one's result reaches the host. The host's lengths learn the counts from
+        `settle`, which must follow, once per call and in order. chain: every tree is a chain
+        (nothing moves)."""
+        # a path holds at most a block of nodes: only those move (not a DDTree's whole width)
+        q = min(walked.path.shape[1], self.drafter.config.block_size if self.drafter else walked.path.shape[1])
+        j = torch.arange(q, device=walked.path.device)
+        counts = (walked.accepted + 1) * running
+        plan = torch.cat([torch.where(j < counts[:, None], walked.path[:, :q], j), counts[:, None]], 1)
+        self.cache.commit_plan(plan, not chain, self.commit_step)
+        self.late.append((counts, q))
+        if self.drafter is not None:
+            self.pending = self.verified[:, :q] if chain else \
+                self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
+            self.pending_counts, self.pending_read = counts, False
+
+    def settle(self, counts: Sequence[int]) -> None:
+        """The counts of the oldest unsettled `commit_walk`, now on the host (each row's path
+        length, 0 where idle)."""
+        mine, width = self.late.popleft()
+        self.cache.settle(counts, width)
+        if self.dcache is None:
+            return
+        if self.pending_counts is mine:  # no draft took these features yet: it will advance by them
+            self.pending_counts = list(counts)
+        else:  # a draft took them (`draft`'s `advance_late`)
+            self.dcache.settle(counts, self.drafter.config.block_size)
 
     @_passes
     def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode import cost
-from dflashkit.decode.cache import to_host
+from dflashkit.decode.cache import to_device, to_host
 from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
@@ -146,6 +146,7 @@ class _Round:
     chain: bool  # every row's tree is a chain (DFlash, AR)
     started: float
     drafted: bool  # False: an autoregressive round (no draft, or cost-aware decoding chose none)
+    late: bool = False  # committed on the device at launch (`Engine.commit_walk`), read a round later
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
@@ -222,9 +223,10 @@ def decode_stream(
     size it passed through (seconds of stalls for every running row).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling
-    or recording), AR rounds are read a round late, the next one already running on the device: a
-    row's end is seen a round after it, and that round's token for the row is dropped. cost_aware: measure what
+    `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling,
+    recording or cost-aware), rounds are read a round late, the next one already running on the
+    device: a row's end is seen a round after it, and that round's tokens for the row are
+    dropped. cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
     tokens per second, and draft at all only while drafting rounds give more tokens per second
     than autoregressive ones (`decode/cost.py`; both kept on the engine per method and batch size);
@@ -251,10 +253,12 @@ def decode_stream(
         bonus = torch.cat([bonus, bonus.new_zeros(rows - n)])
     admitted = n  # requests so far: the next one's index
     yield step
-    # Autoregressive rounds need nothing from the host to launch the next one, so without
-    # admissions (which change the batch) the host reads a round's tokens while the next runs.
-    lag = method == "ar" and admit is None and not (record_top or profile)
+    # A round needs nothing from the host to launch the next one (the walk, the commit and the
+    # next bonus stay on the device), so without admissions (which change the batch) or
+    # cost-aware choices (which read the draft) the host reads a round's tokens while the next runs.
+    lag = admit is None and not (record_top or profile or cost_aware)
     inflight: _Round | None = None
+    running_t: tuple[list[bool], Tensor] | None = None  # the running rows on the device (for `commit_walk`)
 
     def finish(rnd: _Round) -> tuple[Step, Tensor | None]:
         """A launched round's host side: read its tokens, walk the trees, commit what each row
@@ -265,7 +269,9 @@ def decode_stream(
         paths: list[Sequence[int]] = [range(h[0] + 1) if rnd.chain else h[1:h[0] + 2] for h in host]
         news = [h[1 + w:2 + w + h[0]] for h in host]
         top = _top(rnd.logits, record_top) if record_top else None
-        if rnd.drafted:
+        if rnd.drafted and rnd.late:  # committed on the device: the host learns the counts
+            engine.settle([len(path) if run else 0 for path, run in zip(paths, rnd.running)])
+        elif rnd.drafted:
             engine.commit([path if run else range(0) for path, run in zip(paths, rnd.running)])  # idle rows: nothing
         seconds = time.perf_counter() - rnd.started  # the host transfer has waited for verification
         if curve is not None and rnd.drafted:
@@ -349,9 +355,14 @@ def decode_stream(
         walked = walk(trees, anc, picked, chain)  # on the device: the next bonus stays there
         bonus = walked.bonus
         read = to_host(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
-        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted)
+        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
+                     late=lag and drafted)
         if not drafted:  # each running row keeps its one node: the commit needs nothing from the host
             engine.commit([range(1) if run else range(0) for run in running])
+        elif rnd.late:  # the paths as the walk left them on the device: the next round queues behind
+            if running_t is None or running_t[0] != running:
+                running_t = (running, to_device([int(r) for r in running], dev))
+            engine.commit_walk(walked, running_t[1], chain)
         if not lag:
             yield finish(rnd)
             continue
