@@ -19,7 +19,7 @@ from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch, make_engine
 from dflashkit.decode.static import runner_features, static_engine
 from test_cache import _random_round
-from test_decode import (Oracle, check_joins, expected_taus, greedy_reference, oracle_proposals, ragged_prompts,
+from test_decode import (Oracle, check_joins, expected_taus, greedy_reference, oracle_proposals, ragged_prompts, read_late,
                          sampling_pvalues)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -215,10 +215,14 @@ def test_greedy_identical(hybrid):
             assert g.tokens == refs[i], (method, budget, i)
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_multi_token_acceptance(hybrid, method):
+def test_multi_token_acceptance(hybrid, method, late, monkeypatch):
     """Drafts right for the first j slots (DDTree: through runner-up children): τ is exactly j+1
-    and the output unchanged, so the states after accepted paths are the right ones."""
+    and the output unchanged, so the states after accepted paths are the right ones; also when
+    rounds are read a round late (the fold's plan made on the device from the walk)."""
+    if late:
+        read_late(monkeypatch)
     _check_multi_token_acceptance(hybrid, make_tiny_drafter(hybrid), method, cuda_graphs=False)
 
 

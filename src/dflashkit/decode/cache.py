@@ -323,23 +323,30 @@ def to_device(values: list, device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
-def to_host(t: Tensor) -> Callable[[], list]:
-    """Start copying t to the host; the returned function waits for that copy alone, not for
-    device work queued after it, and gives t's values as lists. On CUDA through pinned memory
-    and an event; elsewhere the values are read at once."""
-    if t.device.type != "cuda":
-        values = t.tolist()
-        return lambda: values
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    buf.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
+class HostCopy:
+    """A copy of t to the host, started now. `ready()` says whether it has arrived, without
+    waiting; calling it waits for that copy alone (not for device work queued after it) and gives
+    t's values as lists. On CUDA through pinned memory and an event; elsewhere the values are read
+    at once."""
 
-    def read() -> list:
-        done.synchronize()
-        return buf.tolist()
+    def __init__(self, t: Tensor) -> None:
+        self.done: torch.cuda.Event | None = None
+        if t.device.type != "cuda":
+            self.values = t.tolist()
+            return
+        self.buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.buf.copy_(t, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
 
-    return read
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def __call__(self) -> list:
+        if self.done is None:
+            return self.values
+        self.done.synchronize()
+        return self.buf.tolist()
 
 
 def is_chain(path: Sequence[int]) -> bool:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode import cost
-from dflashkit.decode.cache import to_device, to_host
+from dflashkit.decode.cache import HostCopy, to_device
 from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
@@ -140,7 +140,7 @@ class _Round:
     """A round launched on the device whose host side (`decode_stream`'s finish) is still to run."""
 
     running: list[bool]  # rows that decode in it
-    read: Callable[[], list]  # per row [accepted, the path's nodes..., the target's tokens at them...], waiting for them
+    read: HostCopy  # per row [accepted, the path's nodes..., the target's tokens at them...]
     logits: Tensor | None  # kept for record_top
     width: int  # verified nodes per row
     chain: bool  # every row's tree is a chain (DFlash, AR)
@@ -224,9 +224,9 @@ def decode_stream(
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
     `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling,
-    recording or cost-aware), rounds are read a round late, the next one already running on the
-    device: a row's end is seen a round after it, and that round's tokens for the row are
-    dropped. cost_aware: measure what
+    recording or cost-aware), a round whose tokens have not reached the host yet is read a round
+    late, the next one already running on the device: a row's end is then seen a round after
+    it, and that round's tokens for the row are dropped. cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
     tokens per second, and draft at all only while drafting rounds give more tokens per second
     than autoregressive ones (`decode/cost.py`; both kept on the engine per method and batch size);
@@ -255,7 +255,9 @@ def decode_stream(
     yield step
     # A round needs nothing from the host to launch the next one (the walk, the commit and the
     # next bonus stay on the device), so without admissions (which change the batch) or
-    # cost-aware choices (which read the draft) the host reads a round's tokens while the next runs.
+    # cost-aware choices (which read the draft) the host reads a round's tokens while the next
+    # runs, unless they have already arrived (the host being the slower side, as for a small
+    # target): then it reads them first, and never runs a round past every row's end.
     lag = admit is None and not (record_top or profile or cost_aware)
     inflight: _Round | None = None
     running_t: tuple[list[bool], Tensor] | None = None  # the running rows on the device (for `commit_walk`)
@@ -311,6 +313,9 @@ def decode_stream(
                 row.t1 = time.perf_counter()
         curve, drafting = engine.cost_state[key]
     while True:
+        if inflight is not None and inflight.read.ready():  # reading it waits for nothing (the host is the
+            step, inflight = finish(inflight), None  # slower side): read it now, so that no round runs past a row's end
+            yield step
         running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
         joining = list(admit(sum(running))) if admit is not None else []
         if inflight is not None and (not any(running) or not engine.fixed_rows and not all(running)):
@@ -354,7 +359,7 @@ def decode_stream(
         chain = method != "ddtree" or not drafted
         walked = walk(trees, anc, picked, chain)  # on the device: the next bonus stays there
         bonus = walked.bonus
-        read = to_host(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
+        read = HostCopy(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
         rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
                      late=lag and drafted)
         if not drafted:  # each running row keeps its one node: the commit needs nothing from the host
