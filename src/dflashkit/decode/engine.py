@@ -5,6 +5,8 @@
                                    and each row's tree from them
     verify(tokens, depths, anc) -> the target's logits at each verified node [b, q, V]
     commit(paths)               keeps each row's accepted path (the one rollback, `KVCache.commit`)
+    commit_walk(walk) + settle  the same from the acceptance walk on the device, the host's
+                                lengths told later (a round's commit in `decode_stream`)
 
 Rows are ragged: each has its own length in the caches (`decode/cache.py`) and, in a round, its
 own tree (padded to the batch's largest; padding nodes see only themselves and are never

@@ -146,7 +146,6 @@ class _Round:
     chain: bool  # every row's tree is a chain (DFlash, AR)
     started: float
     drafted: bool  # False: an autoregressive round (no draft, or cost-aware decoding chose none)
-    late: bool = False  # committed on the device at launch (`Engine.commit_walk`), read a round later
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
@@ -262,19 +261,17 @@ def decode_stream(
     inflight: _Round | None = None
     running_t: tuple[list[bool], Tensor] | None = None  # the running rows on the device (for `commit_walk`)
 
-    def finish(rnd: _Round) -> tuple[Step, Tensor | None]:
-        """A launched round's host side: read its tokens, walk the trees, commit what each row
-        keeps (AR rounds committed at launch) -> (the stream step, the next bonus of tree rounds)."""
+    def finish(rnd: _Round) -> Step:
+        """A launched (and committed) round's host side: read each row's path and tokens, tell
+        the engine the counts, extend each row's answer -> the stream step."""
         host, w = rnd.read(), rnd.width
         # a chain's path is nodes 0..accepted; new tokens: the accepted draft tokens (equal to the
         # target's), then its next one
         paths: list[Sequence[int]] = [range(h[0] + 1) if rnd.chain else h[1:h[0] + 2] for h in host]
         news = [h[1 + w:2 + w + h[0]] for h in host]
         top = _top(rnd.logits, record_top) if record_top else None
-        if rnd.drafted and rnd.late:  # committed on the device: the host learns the counts
+        if rnd.drafted:  # committed on the device at launch: the host learns the counts (idle rows: 0)
             engine.settle([len(path) if run else 0 for path, run in zip(paths, rnd.running)])
-        elif rnd.drafted:
-            engine.commit([path if run else range(0) for path, run in zip(paths, rnd.running)])  # idle rows: nothing
         seconds = time.perf_counter() - rnd.started  # the host transfer has waited for verification
         if curve is not None and rnd.drafted:
             curve.observe(seconds, rnd.width)
@@ -360,13 +357,12 @@ def decode_stream(
         walked = walk(trees, anc, picked, chain)  # on the device: the next bonus stays there
         bonus = walked.bonus
         read = HostCopy(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
-        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
-                     late=lag and drafted)
-        if not drafted:  # each running row keeps its one node: the commit needs nothing from the host
+        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted)
+        if not drafted:  # each running row keeps its one node
             engine.commit([range(1) if run else range(0) for run in running])
-        elif rnd.late:  # the paths as the walk left them on the device: the next round queues behind
+        else:  # each row's path as the walk left it on the device: the next round can queue behind
             if running_t is None or running_t[0] != running:
-                running_t = (running, to_device([int(r) for r in running], dev))
+                running_t = (list(running), to_device([int(r) for r in running], dev))
             engine.commit_walk(walked, running_t[1], chain)
         if not lag:
             yield finish(rnd)
