@@ -52,17 +52,18 @@ def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
     parents. Fixed shapes and no host read: a CUDA graph captures it (`static_engine`)."""
     b, S, K = logprobs.shape
     dev = logprobs.device
-    beam = logprobs.new_zeros(b, 1)  # the root's score
-    base = 0  # index of the beam's first node among all candidates (the root: 0, then 1...)
+    beam = logprobs.new_zeros(b, 1)  # the scores of the beam's prefixes: first, the root alone
+    base = 0  # the index of the beam's first prefix, numbering the root 0 and then every candidate kept
     scores, parents, tokens, depths = [], [], [], []
     for s in range(S):
-        cand = (beam[:, :, None] + logprobs[:, s, None, :]).flatten(1)  # [b, W * K]
+        cand = (beam[:, :, None] + logprobs[:, s, None, :]).flatten(1)  # [b, W * K]: prefix w, then rank k
+        width = beam.shape[1]
         beam, idx = cand.topk(min(budget, cand.shape[1]), dim=1)
         scores.append(beam)
         parents.append(base + torch.div(idx, K, rounding_mode="floor"))
         tokens.append(token_ids[:, s].gather(1, idx % K))
         depths.append(torch.full_like(idx, s + 1))
-        base += 1 if s == 0 else scores[-2].shape[1]
+        base += width  # the new beam is numbered after the one it extends
     scores, parents, tokens, depths = (torch.cat(x, 1) for x in (scores, parents, tokens, depths))
     m = min(budget, scores.shape[1])
     pick = (scores.double() - TIE * depths).topk(m, dim=1).indices  # [b, m], best first
