@@ -96,13 +96,19 @@ def _per_row(value: Any, n: int, name: str) -> list[Any]:
     return values
 
 
-def _trees(draft: Draft | None, bonus: Tensor, curve: cost.CostCurve | None) -> tuple[Trees, Tensor, Tensor, Tensor]:
+def _trees(draft: Draft | None, bonus: Tensor, curve: cost.CostCurve | None,
+           empty: dict[int, tuple[Trees, Tensor, Tensor]]) -> tuple[Trees, Tensor, Tensor, Tensor]:
     """Each row's tree (none for an autoregressive round) and the `tree.verification` tensors:
     tokens and depths [b, q], ancestors [b, q, q]. With a cost `curve`, only the prefix of the
-    draft that maximises expected tokens per second is kept (the same size for every row)."""
+    draft that maximises expected tokens per second is kept (the same size for every row).
+    empty: per batch size, the empty trees' tensors, made once (an AR step is a few launches)."""
     if draft is None:
-        trees = chains(bonus[:, None][:, :0])
-        return (trees, *verification(bonus, trees, chain=True))
+        b = bonus.shape[0]
+        if b not in empty:
+            trees = chains(bonus[:, None][:, :0])
+            empty[b] = (trees, *verification(bonus, trees, chain=True)[1:])
+        trees, depths, anc = empty[b]
+        return trees, bonus[:, None], depths, anc
     trees, tokens, depths, anc = draft[1:]
     if curve is None or len(curve.widths) == 1:  # only the full width pays: as without a curve
         return trees, tokens, depths, anc
@@ -260,6 +266,7 @@ def decode_stream(
     lag = admit is None and not (record_top or profile or cost_aware)
     inflight: _Round | None = None
     running_t: tuple[list[bool], Tensor] | None = None  # the running rows on the device (for `commit_walk`)
+    empty: dict[int, tuple[Trees, Tensor, Tensor]] = {}  # `_trees`' autoregressive rounds
 
     def finish(rnd: _Round) -> Step:
         """A launched (and committed) round's host side: read each row's path and tokens, tell
@@ -347,7 +354,7 @@ def decode_stream(
         scored = curve is not None and len(curve.widths) > 1  # cost-aware: the tree's scores are read
         draft = engine.draft(bonus, None if method == "dflash" else budget, top_k, scored) if drafted else None
         stages.mark("draft")
-        trees, tokens, depths, anc = _trees(draft, bonus, curve)
+        trees, tokens, depths, anc = _trees(draft, bonus, curve, empty)
         stages.mark("tree")
         logits = engine.verify(tokens, depths, anc)  # [b, q, V]
         picked = row_tokens(logits, [row.request.sampling if row else GREEDY for row in batch],

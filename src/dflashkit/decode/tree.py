@@ -146,7 +146,7 @@ def walk(trees: Trees, anc: Tensor, picked: Tensor, chain: bool = False) -> Walk
     b, m = trees.tokens.shape
     dev = picked.device
     if chain:
-        accepted = (trees.tokens == picked[:, :-1]).cumprod(1).sum(1)
+        accepted = (trees.tokens == picked[:, :-1]).cumprod(1).sum(1) if m else torch.zeros_like(picked[:, 0])
         return Walk(accepted, torch.arange(m + 1, device=dev).expand(b, -1), picked)
     own = torch.arange(1, m + 1, device=dev)
     match = (trees.tokens == picked.gather(1, trees.parents)) & (trees.parents < own)  # padding never matches
