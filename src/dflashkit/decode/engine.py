@@ -329,12 +329,17 @@ class Engine:
         else:  # a draft took them (`draft`'s `advance_late`)
             self.dcache.settle(counts, self.drafter.config.block_size)
 
+    def _settled(self, step: str) -> None:
+        if self.late:  # rows move on the host's lengths, which miss the unsettled rounds
+            raise RuntimeError(f"Engine.{step}: {len(self.late)} round(s) committed on the device are not settled")
+
     @_passes
     def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
         """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
         of this batch, or indices from `batch` on to append): their caches, lengths and pending
         features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
         -> logits at each prompt's last token [m, V]."""
+        self._settled("join")
         # Fresh caches for the m prompts; a runner with CUDA graphs runs them without (its graphs
         # are captured over this engine's cache).
         new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
@@ -367,6 +372,7 @@ class Engine:
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""
+        self._settled("keep_rows")
         idx = torch.tensor(list(rows), dtype=torch.long, device=self.pending.device)
         self.cache.keep_rows(rows)
         if self.dcache is not None:
