@@ -164,8 +164,9 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
 
 
 class Engine:
-    """b sequences of one target (and drafter). Host-side facts (lengths) are kept on the host,
-    so a round needs one device-to-host transfer: the verified tokens."""
+    """b sequences of one target (and drafter). Lengths are kept on the host too (exact, or a
+    round late with an upper bound, `KVCache.bound`), so a round needs one device-to-host
+    transfer: its accepted paths and tokens, which may arrive after the next round is queued."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, runner: Runner | None = None) -> None:
         self.target, self.drafter = target, drafter
