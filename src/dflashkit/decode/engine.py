@@ -308,10 +308,13 @@ class Engine:
         (nothing moves)."""
         # a path holds at most a block of nodes: only those move (not a DDTree's whole width)
         q = min(walked.path.shape[1], self.drafter.config.block_size if self.drafter else walked.path.shape[1])
-        j = torch.arange(q, device=walked.path.device)
         counts = (walked.accepted + 1) * running
-        plan = torch.cat([torch.where(j < counts[:, None], walked.path[:, :q], j), counts[:, None]], 1)
-        self.cache.commit_plan(plan, not chain, self.commit_step)
+        if chain and self.cache.linear is None:  # the kept nodes are where they belong: lengths only
+            self.cache.advance_late(counts, q)
+        else:
+            j = torch.arange(q, device=walked.path.device)
+            plan = torch.cat([torch.where(j < counts[:, None], walked.path[:, :q], j), counts[:, None]], 1)
+            self.cache.commit_plan(plan, not chain, self.commit_step)
         self.late.append((counts, q))
         if self.drafter is not None:
             self.pending = self.verified[:, :q] if chain else \
