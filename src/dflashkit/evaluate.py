@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
-from dflashkit.decode.tree import draft_trees, walk
+from dflashkit.decode.tree import best_first, chains, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.objective import replay_rounds
 from dflashkit.target import Target
@@ -132,9 +132,13 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
         pos = at[:, None] + 1 + torch.arange(B, device=dev)
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
         truth = torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
+        # the same ops as online decoding (`tree.draft_trees`), the top-k taken once for every budget
+        top = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1) if any(m == "ddtree" for _, m, _ in labels) \
+            else None
         for label, method, budget in labels:
-            chain = method == "dflash"  # the same ops as online decoding
-            trees, _, depths, anc = draft_trees(logits, ids[at], None if chain else budget, top_k)
+            chain = method == "dflash"
+            trees = chains(logits.argmax(-1)) if chain else best_first(*top, budget)
+            _, depths, anc = verification(ids[at], trees, chain)
             walked = walk(trees, anc, truth.gather(1, depths), chain)
             out[label].update(zip(part, walked.accepted.tolist()))
     return out, spans

@@ -174,13 +174,11 @@ class KVCache:
         if fold:
             self.linear.fold(plan)
 
-    def advance(self, counts: Sequence[int], on_device: Tensor | None = None) -> None:
+    def advance(self, counts: Sequence[int]) -> None:
         """Commit the first counts[i] slots written past each row's length (no move needed; linear
-        layers are advanced by the pass itself or by `commit`). on_device: the same counts already
-        on the device (a commit plan's last column), saving the transfer."""
+        layers are advanced by the pass itself or by `commit`)."""
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.lengths_t = self.lengths_t + (to_device(list(counts), self.lengths_t.device) if on_device is None
-                                           else on_device)
+        self.lengths_t = self.lengths_t + to_device(list(counts), self.lengths_t.device)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""

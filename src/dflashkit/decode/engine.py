@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
-from dflashkit.decode.tree import Trees, Walk, draft_trees, visibility
+from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
 
@@ -221,9 +221,8 @@ class Engine:
         for off in range(0, T, PREFILL_CHUNK):
             q = min(PREFILL_CHUNK, T - off)
             depths = torch.arange(q, device=dev).expand(b, -1)
-            causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(b, -1, -1)
             counts = [min(max(n - off, 0), q) for n in lens]
-            hidden, f = self.run(self.cache, ids[:, off:off + q], depths, causal, max(self.cache.lengths) + q,
+            hidden, f = self.run(self.cache, ids[:, off:off + q], depths, causal(b, q, dev), max(self.cache.lengths) + q,
                                  torch.tensor(counts, device=dev))
             feats.append(f)
             # The hidden state at each row's last token, from the chunk that holds it (one gather
@@ -278,7 +277,7 @@ class Engine:
         chain) -> the target's logits [b, q, V]."""
         b, q = tokens.shape
         if ancestors is None:
-            ancestors = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril().expand(b, -1, -1)
+            ancestors = causal(b, q, tokens.device)
         n = self.cache.bound + q
         self.cache.reserve(n)
         hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
@@ -301,13 +300,12 @@ class Engine:
         self.pending_read = False
 
     def commit_walk(self, walked: Walk, running: Tensor, chain: bool) -> None:
-        """`commit` of each row's accepted path as the acceptance walk left it on the device
+        """`commit` of a drafted round: each row's accepted path as the acceptance walk left it on the device
         (rows not `running` [b] keep nothing), without a host read: the next round can be queued
         before this one's result reaches the host. The host's lengths learn the counts from
         `settle`, which must follow, once per call and in order. chain: every tree is a chain
         (nothing moves)."""
-        # a path holds at most a block of nodes: only those move (not a DDTree's whole width)
-        q = min(walked.path.shape[1], self.drafter.config.block_size if self.drafter else walked.path.shape[1])
+        q = min(walked.path.shape[1], self.drafter.config.block_size)  # a path holds at most a block of nodes
         counts = (walked.accepted + 1) * running
         if chain and self.cache.linear is None:  # the kept nodes are where they belong: lengths only
             self.cache.advance_late(counts, q)
@@ -316,18 +314,15 @@ class Engine:
             plan = torch.cat([torch.where(j < counts[:, None], walked.path[:, :q], j), counts[:, None]], 1)
             self.cache.commit_plan(plan, not chain, self.commit_step)
         self.late.append((counts, q))
-        if self.drafter is not None:
-            self.pending = self.verified[:, :q] if chain else \
-                self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
-            self.pending_counts, self.pending_read = counts, False
+        self.pending = self.verified[:, :q] if chain else \
+            self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
+        self.pending_counts, self.pending_read = counts, False
 
     def settle(self, counts: Sequence[int]) -> None:
         """The counts of the oldest unsettled `commit_walk`, now on the host (each row's path
         length, 0 where idle)."""
         mine, width = self.late.popleft()
         self.cache.settle(counts, width)
-        if self.dcache is None:
-            return
         if self.pending_counts is mine:  # no draft took these features yet: it will advance by them
             self.pending_counts = list(counts)
         else:  # a draft took them (`draft`'s `advance_late`)

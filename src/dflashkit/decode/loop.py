@@ -109,7 +109,7 @@ def _trees(draft: Draft | None, bonus: Tensor, curve: cost.CostCurve | None,
             empty[b] = (trees, *verification(bonus, trees, chain=True)[1:])
         trees, depths, anc = empty[b]
         return trees, bonus[:, None], depths, anc
-    trees, tokens, depths, anc = draft[1:]
+    trees, tokens, depths, anc = draft.trees, draft.tokens, draft.depths, draft.ancestors
     if curve is None or len(curve.widths) == 1:  # only the full width pays: as without a curve
         return trees, tokens, depths, anc
     q = curve.best_width(cost.tree_expectation(trees.scores.cpu()))

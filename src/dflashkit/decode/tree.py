@@ -93,14 +93,18 @@ def ancestors(parents: Tensor) -> Tensor:
     return anc.bool()
 
 
+def causal(b: int, q: int, device: torch.device) -> Tensor:
+    """The ancestor rule of b chains of q nodes (a prefill's, a DFlash block's): bool [b, q, q]."""
+    return torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(b, -1, -1)
+
+
 def verification(bonus: Tensor, trees: Trees, chain: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """What the target verifies: tokens [b, m+1] (the bonus, then the nodes), positions relative
     to the bonus (depths) [b, m+1] and the ancestor rule [b, m+1, m+1]. chain: the trees are
     `chains` (the rule is causal: one kernel)."""
     b, q = bonus.shape[0], trees.size + 1
     zero = trees.depths.new_zeros(b, 1)
-    anc = (torch.ones(q, q, dtype=torch.bool, device=bonus.device).tril().expand(b, -1, -1) if chain
-           else ancestors(trees.parents))
+    anc = causal(b, q, bonus.device) if chain else ancestors(trees.parents)
     return torch.cat([bonus[:, None], trees.tokens], 1), torch.cat([zero, trees.depths], 1), anc
 
 
