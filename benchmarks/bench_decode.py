@@ -22,7 +22,7 @@ stage is then the state rollback. `--check-features` compares, per tapped layer,
 runner's PyTorch path with Transformers' forward (its GPU kernels where installed, e.g. fla)
 on the same prompt, in bf16 and in fp32 (cosine, max error).
 
-Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused` engine at
+Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused-cd` engine at
 each batch size, at τ = 1 (random drafts) and with every draft accepted (τ = B: the acceptance
 walk replaced, timing only); `--long 16384` times a round after a prompt of that
 many tokens against the `--prompt-len` one, with the peak memory of each prefill.
@@ -261,13 +261,13 @@ def accept_everything(trees, anc, picked, chain=False):
 
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
                device: torch.device, kernels: int = 0) -> dict:
-    """DFlash rounds of the fused engine (graphs elsewhere off) at each batch size: τ = 1 (random
-    drafts) and every draft accepted (`accept_everything`). Accepting everything, a generation
+    """DFlash rounds of the `fused-cd` engine (what `make_engine` gives on CUDA; the static engine
+    elsewhere) at each batch size: τ = 1 (random drafts) and every draft accepted (`accept_everything`). Accepting everything, a generation
     runs B times the tokens, so that both kinds time as many rounds (three rounds of 16 tokens
     were noise: their draft stage varied by 3 ms from one batch size to the next)."""
     from dflashkit.decode import loop
 
-    make = engines(device, compile_ok=True).get("fused") or engines(device, compile_ok=False)["static"]
+    make = engines(device, compile_ok=True).get("fused-cd") or engines(device, compile_ok=False)["static"]
     out: dict = {}
     for b in batches:
         for kind in ("tau1", "accept-all"):

@@ -24,8 +24,17 @@ from dflashkit.decode.tree import Trees, ancestors, best_first, chains, draft_tr
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
+def padded_engine(target: Target, drafter: DFlashDrafter | None = None) -> Engine:
+    """The static engine with every prefill and prompt-long first draft padded to a length bucket,
+    as on a GPU where such passes replay CUDA graphs (`Engine.small_pass`); here they run eagerly
+    at the padded length, so the padding's semantics are what is tested."""
+    engine = static_engine(target, drafter, fuse=False)
+    engine.small_pass = 4096
+    return engine
+
+
 ENGINES = {"hf": Engine, "static": lambda t, d=None: static_engine(t, d, fuse=False),
-           "fused": lambda t, d=None: static_engine(t, d, fuse=True)}
+           "fused": lambda t, d=None: static_engine(t, d, fuse=True), "padded": padded_engine}
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 30)]
 
 
@@ -179,7 +188,7 @@ def read_late(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("engine", ["hf", "static", "fused"])
+@pytest.mark.parametrize("engine", ["hf", "static", "fused", "padded"])
 def test_greedy_identical_tiny(tiny_target, engine, late, monkeypatch):
     if late:
         read_late(monkeypatch)
@@ -263,8 +272,27 @@ def test_static_and_hf_runners_agree_on_a_tree_round(tiny_target):
     torch.testing.assert_close(st.draft(bonus).logits, hf.draft(bonus).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_padded_passes_leave_the_drafter_its_context(tiny_target):
+    """Prefill and first draft padded to a length bucket (what CUDA graphs replay): the drafter's
+    logits in that draft and in the next round equal those of passes at the prompts' own lengths,
+    so the padding positions are never seen as context."""
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = [p[0] for p in ragged_prompts(1)]
+    padded, plain = ENGINES["padded"](tiny_target, drafter), ENGINES["static"](tiny_target, drafter)
+    for eng in (padded, plain):
+        eng.prefill(prompts, capacity=100)
+    assert padded.pending.shape[1] == 64 > plain.pending.shape[1] == 33
+    bonus = torch.tensor([5, 9, 3, 7])
+    first = [eng.draft(bonus).logits for eng in (padded, plain)]
+    torch.testing.assert_close(*first, atol=1e-5, rtol=1e-5)
+    for eng in (padded, plain):
+        eng.verify(*verification(bonus, chains(torch.full((4, 3), 11))))
+        eng.commit([range(3), range(1), range(2), range(3)])
+    torch.testing.assert_close(padded.draft(bonus).logits, plain.draft(bonus).logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("engine", ["hf", "static"])
+@pytest.mark.parametrize("engine", ["hf", "static", "padded"])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_multi_token_acceptance_commits_correctly_tiny(tiny_target, engine, method, late, monkeypatch):
     """Drafts that are right for the first j slots: τ must be exactly j+1 (DDTree: the right token
@@ -542,7 +570,7 @@ def _smol_drafter(smollm2, layers=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "static"])
+@pytest.mark.parametrize("engine", ["hf", "static", "padded"])
 def test_smollm2_greedy_identical(smollm2, smol_batch, engine):
     """The bundled trained drafter (real multi-token acceptance): every method, batch 1 and a
     ragged batch of 4 HumanEval prompts, equals the target's own greedy tokens, with the same τ

@@ -43,9 +43,9 @@ def _counting_engine(monkeypatch, captures: dict[str, int]):
     import dflashkit.decode.static as st
 
     class Counting:
-        def __init__(self, fn, buffers=lambda: None, preserve=list):
+        def __init__(self, fn, buffers=lambda: None, preserve=list, shared=False):
             self.fn, self.buffers, self.keys, self.where = fn, buffers, set(), None
-            self.name = getattr(fn, "__name__", "commit")
+            self.name = getattr(fn, "__name__", "commit") + (" (shared pool)" if shared else "")
 
         def __call__(self, *args):
             if self.buffers() != self.where:
@@ -87,6 +87,25 @@ def test_joins_capture_no_new_graphs(monkeypatch):
         out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
     assert len(out) == 48 and len(joins) >= 5
     assert captures == {"_step": 1, "_draft_step": 1}, captures
+
+
+def test_small_prefills_and_first_drafts_replay_one_graph_per_length_bucket(monkeypatch):
+    """Prompts of 5 to 60 tokens, one after another on one graph engine: each prefill and each
+    prompt-long first draft is padded to the same length bucket, so one graph of each serves them
+    all (eagerly, a 200-token prefill is a thousand launches), and every answer is the plain
+    engine's."""
+    import dflashkit.decode.static as st
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    engine.small_pass = st.SMALL_PASS_TOKENS
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 120, (n,), generator=g) for n in (60, 5, 33, 47, 12, 59)]  # longest first: no growth
+    plain = static_engine(engine.target, engine.drafter, fuse=False)
+    for p in prompts:
+        assert generate(engine, p, max_new_tokens=12).tokens == generate(plain, p, max_new_tokens=12).tokens
+    # (the first prompt allocates the caches, eagerly); verification, prefill, draft + first draft
+    assert captures == {"_step": 1, "_step (shared pool)": 1, "_draft_step": 2}, captures
 
 
 def test_a_stream_that_starts_small_keeps_one_batch_size(monkeypatch):

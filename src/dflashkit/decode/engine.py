@@ -34,6 +34,15 @@ from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chunk, length]
+LENGTH_BUCKET = 64  # prompt lengths of small passes are padded to a multiple of this (`Engine.small_pass`)
+
+
+def padded(rows: int, length: int, small_pass: int) -> int:
+    """The length a pass over `rows` x `length` tokens runs at: rounded up to a multiple of
+    LENGTH_BUCKET when that is at most `small_pass` rows x tokens (a CUDA graph per bucket serves
+    it), else as it is. Padding tokens sit past each row's length: never committed or seen."""
+    bucketed = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+    return bucketed if rows * bucketed <= small_pass else length
 
 
 def attention_backends(graph: bool = False) -> Any:
@@ -184,6 +193,10 @@ class Engine:
         self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
         self.caught_up = False  # the last draft took a long context (see `draft`)
         self.cost_state: dict = {}  # cost-aware decoding's curve and draft-or-not estimates (`decode_stream`)
+        # Prefills and prompt-long first drafts of at most this many rows x tokens are padded to a
+        # length bucket and go through `run` / `draft_step` as any round does (the static engine
+        # replays them from CUDA graphs); 0: such passes run at their own length, eagerly.
+        self.small_pass = 0
         self.late: collections.deque[tuple[Tensor, int]] = collections.deque()  # `commit_walk`s not settled yet
 
     @property
@@ -210,10 +223,11 @@ class Engine:
         self.check_prompts(prompts)
         dev, b = self.target.device, len(prompts)
         lens = [len(p) for p in prompts]
-        T = max(lens)
+        T = padded(b, max(lens), self.small_pass)
         # Right padding beyond each row's length; one transfer for every row (prompts joining a
         # batch are prefilled together: no per-row copies or host syncs).
-        ids = torch.nn.utils.rnn.pad_sequence(list(prompts), batch_first=True).to(dev, torch.long)
+        ids = torch.nn.utils.rnn.pad_sequence([*prompts, prompts[0].new_zeros(T)], batch_first=True)[:b]
+        ids = ids.to(dev, torch.long)
         ends = torch.tensor(lens, device=dev) - 1  # each row's last prompt token
         self.cache.start(b, dev)
         self.cache.reserve(max(capacity, T))
@@ -252,17 +266,22 @@ class Engine:
         positions and each row's tree from them (`tree.draft_trees`: budget None, DFlash's chain;
         else DDTree's best-first tree), built in the same step (one CUDA graph)."""
         B, dc = self.drafter.config.block_size, self.dcache
-        # The prompt's context, or what rounds without a draft left: any length, run as it is.
+        # A round's new context (at most a block per row), or a long one: the prompt's, or what
+        # rounds without a draft left.
         feats, self.pending_read = self.pending, True
-        self.caught_up = feats.shape[1] > B  # a long context (a prompt, or rounds without a draft) run as it is
-        if feats.shape[1] <= B:  # one shape every round: padding rows land where the block overwrites them
-            feats = torch.cat([feats, feats.new_zeros(feats.shape[0], B - feats.shape[1], feats.shape[2])], 1)
-        dc.reserve(max(self.cache.bound, dc.bound + feats.shape[1]) + B)
+        b, c = feats.shape[:2]
+        self.caught_up = c > B
+        # Padding rows land past each row's context (the block overwrites the first ones; later
+        # contexts the rest) and are never seen: one shape every round, few for long contexts.
+        width = B if c <= B else padded(b, c, self.small_pass)
+        if width > c:
+            feats = torch.cat([feats, feats.new_zeros(b, width - c, feats.shape[2])], 1)
+        dc.reserve(max(self.cache.bound, dc.bound + width) + B)
         n = dc.span(self.cache.bound + B, self.slot_bucket)
         args = (feats, bonus, dc.lengths_t, self.cache.lengths_t, n, budget, top_k, scored)
-        if feats.shape[1] <= B and dc.k is not None:  # (buffers are allocated outside any graph)
+        if (c <= B or b * width <= self.small_pass) and dc.k is not None:  # (buffers are allocated outside any graph)
             out = self.draft_step(*args)
-        else:  # eagerly, uncompiled: a shape that seldom comes again must not compile mid-serving
+        else:  # eagerly, uncompiled: a long shape that seldom comes again must not compile mid-serving
             with torch.compiler.set_stance("force_eager"):
                 out = self._draft_step(*args)
         if isinstance(self.pending_counts, Tensor):  # a round committed on the device, not read yet

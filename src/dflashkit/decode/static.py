@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
-from dflashkit.decode.engine import Engine, attention_backends
+from dflashkit.decode.engine import LENGTH_BUCKET, Engine, attention_backends
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
 from dflashkit.target import Target
@@ -40,7 +40,12 @@ HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # linear-attention 
 MROPE = ("qwen3_5_text", "qwen3_5_moe_text")  # rotary takes positions per multimodal axis (Qwen3-Next: plain partial)
 ZERO_CENTRED = ("Qwen3_5", "Qwen3Next")  # norm classes of (1 + w) in fp32, gated attention (class name prefixes)
 SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one graph per bucket)
-GRAPH_MAX_TOKENS = 256  # steps of more tokens (long prompts) run eagerly: no graph per prompt length
+GRAPH_MAX_TOKENS = 256  # round steps of more tokens per row run eagerly
+# A prefill, or a prompt's first draft, of at most this many rows x tokens runs from a CUDA graph,
+# its length padded to a multiple of `engine.LENGTH_BUCKET` (few shapes); larger ones run eagerly,
+# so that no graph keeps the memory of a long pass. Eagerly, a 200-token SmolLM2 prefill is ~1,200
+# launches (20-30 ms on an H200 host), a graph replay ~1.5 ms.
+SMALL_PASS_TOKENS = 512
 
 
 def sparse_mlp(layer: Any) -> bool:
@@ -347,13 +352,18 @@ class Graphs:
     call of the same signature. `buffers()` names the tensors a graph writes in place: when they
     move (a cache grew), every graph is captured again. `preserve()` lists the tensors `fn`
     updates in place from their own values (a hybrid's recurrent state): the warm-up runs before
-    a capture must not advance them, so they are restored before the first replay."""
+    a capture must not advance them, so they are restored before the first replay. shared: every
+    graph of this instance takes its memory from one pool (graphs of passes that vary in length
+    would otherwise each keep their own); then an output is valid only until the next call of any
+    signature, so the caller must copy out what it keeps."""
 
     def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None,
-                 preserve: Callable[[], list[Tensor]] = list) -> None:
+                 preserve: Callable[[], list[Tensor]] = list, shared: bool = False) -> None:
         self.fn, self.buffers, self.preserve = fn, buffers, preserve
         self.graphs: dict[tuple, tuple[Any, list[Tensor], Any]] = {}
         self.where: Any = None
+        self.shared = shared
+        self.pool: Any = None
 
     def __call__(self, *args: Any) -> Any:
         where = self.buffers()
@@ -378,7 +388,9 @@ class Graphs:
                         call()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                if self.shared and self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self.pool):
                     out = call()
             for t, v in zip(self.preserve(), kept):
                 t.copy_(v)
@@ -423,18 +435,29 @@ class StaticRunner:
         # The layer functions of passes in CUDA graphs, or of every pass without graphs (`_run`).
         self.compiled = tuple(torch.compile(f, dynamic=True) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
         self.cache: KVCache | None = None
-        self.graphed = Graphs(self._step, lambda: (self.cache.k.data_ptr(), self.cache.linear and
-                                                   self.cache.linear.rec.data_ptr())) if cuda_graphs else None
+
+        def where() -> Any:
+            return self.cache.k.data_ptr(), self.cache.linear and self.cache.linear.rec.data_ptr()
+
+        self.graphed = Graphs(self._step, where) if cuda_graphs else None
+        # Prefills of a few hundred tokens (padded to a length bucket by `Engine.prefill`): their
+        # outputs are copied out at once, so their graphs share one memory pool.
+        self.prefills = Graphs(self._step, where, shared=True) if cuda_graphs else None
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
-        # A prefill (commit given) runs eagerly: its shape (rows x prompt length) seldom comes
-        # again, and capturing a graph for it costs several passes.
-        use_graph = (self.graphed is not None and tokens.shape[1] <= GRAPH_MAX_TOKENS and cache.k is not None
-                     and commit is None)
-        return self._run(self.graphed if use_graph else self._step, cache, tokens, depths, ancestors, n, commit,
-                         graph=use_graph)
+        # A prefill (commit given) runs from a graph only when small and of a bucket's length
+        # (`engine.padded`: shapes come again) and over attention layers alone (a hybrid's prefill
+        # folds its recurrent state in blocks, eagerly).
+        b, q = tokens.shape
+        step: Callable = self._step
+        if self.graphed is not None and cache.k is not None:
+            if commit is None and q <= GRAPH_MAX_TOKENS:
+                step = self.graphed
+            elif commit is not None and cache.linear is None and q % LENGTH_BUCKET == 0 and b * q <= SMALL_PASS_TOKENS:
+                step = self.prefills
+        return self._run(step, cache, tokens, depths, ancestors, n, commit, graph=step is not self._step)
 
     def eager(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
               commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -576,6 +599,8 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         weight = pack_weight(head.weight, head)
         engine.lm_head = lambda hidden: target.lm_head(hidden, lambda x: linear(x, weight, head.bias))
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
+    if runner_graphs and "linear_attention" not in target.layer_kinds:  # (a hybrid's prefill runs eagerly)
+        engine.small_pass = SMALL_PASS_TOKENS
     if compile_drafter:  # the drafter's pass; its tree building (a beam search) would take minutes to compile
         engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True)
     if graphs and drafter is not None:
