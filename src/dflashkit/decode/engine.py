@@ -226,7 +226,7 @@ class Engine:
         T = padded(b, max(lens), self.small_pass)
         # Right padding beyond each row's length; one transfer for every row (prompts joining a
         # batch are prefilled together: no per-row copies or host syncs).
-        ids = torch.nn.utils.rnn.pad_sequence([*prompts, prompts[0].new_zeros(T)], batch_first=True)[:b]
+        ids = torch.nn.utils.rnn.pad_sequence([*prompts, prompts[0].new_zeros(T)], batch_first=True)[:b]  # to T
         ids = ids.to(dev, torch.long)
         ends = torch.tensor(lens, device=dev) - 1  # each row's last prompt token
         self.cache.start(b, dev)

@@ -43,8 +43,8 @@ SLOT_BUCKET = 256  # attention spans are rounded up to this many slots (one grap
 GRAPH_MAX_TOKENS = 256  # round steps of more tokens per row run eagerly
 # A prefill, or a prompt's first draft, of at most this many rows x tokens runs from a CUDA graph,
 # its length padded to a multiple of `engine.LENGTH_BUCKET` (few shapes); larger ones run eagerly,
-# so that no graph keeps the memory of a long pass. Eagerly, a 200-token SmolLM2 prefill is ~1,200
-# launches (20-30 ms on an H200 host), a graph replay ~1.5 ms.
+# so that no graph keeps the memory of a long pass. Eagerly, a 150-200-token SmolLM2 prefill is
+# ~1,200 launches (34 ms on an H200's host), from its graph 2.6 ms (docs/benchmarks.md).
 SMALL_PASS_TOKENS = 512
 
 
