@@ -63,6 +63,7 @@ def _counting_engine(monkeypatch, captures: dict[str, int]):
     engine = st.Engine(target, drafter, st.StaticRunner(target, list(drafter.config.target_layer_ids), cuda_graphs=True))
     engine.slot_bucket, engine.fixed_rows = st.SLOT_BUCKET, True  # as `static_engine` sets them on CUDA
     engine.draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr())
+    engine.first_draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
     return engine
 
 
@@ -104,8 +105,8 @@ def test_small_prefills_and_first_drafts_replay_one_graph_per_length_bucket(monk
     plain = static_engine(engine.target, engine.drafter, fuse=False)
     for p in prompts:
         assert generate(engine, p, max_new_tokens=12).tokens == generate(plain, p, max_new_tokens=12).tokens
-    # (the first prompt allocates the caches, eagerly); verification, prefill, draft + first draft
-    assert captures == {"_step": 1, "_step (shared pool)": 1, "_draft_step": 2}, captures
+    # (the first prompt allocates the caches, eagerly); verification, prefill, draft, first draft
+    assert captures == {"_step": 1, "_step (shared pool)": 1, "_draft_step": 1, "_draft_step (shared pool)": 1}, captures
 
 
 def test_a_stream_that_starts_small_keeps_one_batch_size(monkeypatch):
@@ -199,6 +200,29 @@ def test_compiled_draft_step_is_one_graph():
         engine.draft(torch.zeros(1, dtype=torch.long))
         engine.pending, engine.pending_counts = torch.randn(1, accepted, width), [accepted]
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_first_drafts_of_every_length_bucket_share_one_compilation():
+    """A prompt-long first draft padded to a length bucket (graph engines, `Engine.small_pass`)
+    runs the compiled drafter's step, and the one compilation of the rounds serves it at every
+    bucket (a compilation mid-serving stalls every row for seconds)."""
+    from torch._dynamo.utils import counters
+
+    import dflashkit.decode.static as st
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target, num_layers=2)
+    engine = static_engine(target, drafter, cuda_graphs=False, pack=False)
+    engine.small_pass = st.SMALL_PASS_TOKENS
+    torch._dynamo.reset()
+    counters.clear()
+    engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True, backend="eager")
+    for n in (30, 100, 150, 60, 190):  # buckets 64, 128, 192, 64, 192; every span within 256 slots
+        engine.prefill([torch.randint(3, 120, (n,))], capacity=240)
+        engine.draft(torch.zeros(1, dtype=torch.long))  # the prompt's context (the first one eagerly: no buffers yet)
+        engine.pending, engine.pending_counts = torch.randn(1, 3, engine.pending.shape[2]), [3]
+        engine.draft(torch.zeros(1, dtype=torch.long))  # a round's
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
