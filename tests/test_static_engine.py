@@ -109,6 +109,27 @@ def test_small_prefills_and_first_drafts_replay_one_graph_per_length_bucket(monk
     assert captures == {"_step": 1, "_step (shared pool)": 1, "_draft_step": 1, "_draft_step (shared pool)": 1}, captures
 
 
+def test_evaluation_warm_up_leaves_no_capture_to_the_timed_runs(monkeypatch):
+    """`evaluate.warm_up` on a graph engine (the first prompt in full, then two tokens of one prompt
+    per length bucket): afterwards decoding every prompt, autoregressively and with DFlash,
+    captures no graph, so no method's tokens/s in an evaluation pays for a capture."""
+    import dflashkit.decode.static as st
+    from dflashkit.evaluate import warm_up
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    engine.small_pass = st.SMALL_PASS_TOKENS
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 120, (1, n), generator=g) for n in (150, 10, 70, 100, 130, 40)]  # buckets 192, 64, 128
+    warm_up([engine, engine], [("dflash", "dflash", None)], prompts, dict(max_new_tokens=12))
+    warm = dict(captures)
+    assert warm["_step (shared pool)"] == 3 and warm["_draft_step (shared pool)"] == 3, warm  # one per bucket
+    for p in prompts:
+        for method in ("ar", "dflash"):
+            generate(engine, p, max_new_tokens=12, method=method)
+    assert captures == warm
+
+
 def test_a_stream_that_starts_small_keeps_one_batch_size(monkeypatch):
     """A server's stream starts with whoever is queued (often one request) and the rest join one
     by one: with `rows` the batch holds all its rows from the start (idle placeholders), so one

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from dflashkit.decode.engine import padded
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import best_first, chains, verification, walk
@@ -365,6 +366,21 @@ def check_partings(report: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
+def warm_up(engines: Sequence[Any], labels: Sequence[tuple[str, str, int | None]], prompts: Sequence[Tensor],
+            kw: dict[str, Any]) -> None:
+    """Untimed passes, so that no method's tokens/s pays for graph captures and compilation: the
+    first prompt by every engine (the first one autoregressive, the others each method of
+    `labels`), then two tokens of one prompt per length bucket of the others (small prefills and
+    first drafts replay a CUDA graph per bucket, `Engine.small_pass`)."""
+    small = engines[0].small_pass
+    buckets = {padded(1, ids.shape[-1], small): ids for ids in prompts[1:] if ids.shape[-1] <= small}
+    for ids, n in [(prompts[0], kw["max_new_tokens"])] + [(ids, 2) for ids in buckets.values()]:
+        for i, eng in enumerate(engines):
+            for lab, method, budget in [("ar", "ar", None)] if i == 0 else labels:
+                generate(eng, ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"),
+                         **{**kw, "max_new_tokens": n})
+
+
 def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
                     top_k: int = 4, max_new_tokens: int = 128, sampling: Sampling | None = None,
@@ -383,14 +399,9 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
     base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
     runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": [], "unexplained": []}
                 for lab, _, _ in labels} for n in drafters}
-    if target.device.type == "cuda" and prompts:
-        # CUDA graphs are captured and kernels compiled on first use: one untimed pass per
-        # engine and method, so that no method's tokens/s pays for them.
-        kw = dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=sampling, stop_ids=stop_ids)
-        generate(base_engine, prompts[0].ids, method="ar", **kw)
-        for eng in engines.values():
-            for lab, method, budget in labels:
-                generate(eng, prompts[0].ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"), **kw)
+    if target.device.type == "cuda" and prompts:  # (CUDA graphs are captured and kernels compiled on first use)
+        warm_up([base_engine, *engines.values()], labels, [pr.ids for pr in prompts],
+                dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=sampling, stop_ids=stop_ids))
     per_prompt = []
     for i, pr in enumerate(tqdm(prompts, desc="online eval", unit="prompt", disable=None)):
         samp = Sampling(sampling.temperature, sampling.top_p, None if sampling.seed is None else sampling.seed + i)
