@@ -63,7 +63,7 @@ def _counting_engine(monkeypatch, captures: dict[str, int]):
     engine = st.Engine(target, drafter, st.StaticRunner(target, list(drafter.config.target_layer_ids), cuda_graphs=True))
     engine.slot_bucket, engine.fixed_rows = st.SLOT_BUCKET, True  # as `static_engine` sets them on CUDA
     engine.draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr())
-    engine.first_draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
+    engine.long_draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
     return engine
 
 

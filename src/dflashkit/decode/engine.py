@@ -182,7 +182,7 @@ class Engine:
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
-        self.first_draft_step = self._draft_step  # the same for a small prompt-long context (`small_pass`)
+        self.long_draft_step = self._draft_step  # the same over a small context longer than a block (`small_pass`)
         self.draft_logits = self._draft_logits  # and may compile this part of it
         self.lm_head = target.lm_head  # hidden [..., H] -> logits; the static engine may pack its weight
         self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
@@ -283,7 +283,7 @@ class Engine:
         if c <= B and dc.k is not None:  # (buffers are allocated outside any graph)
             out = self.draft_step(*args)
         elif b * width <= self.small_pass and dc.k is not None:
-            out = self.first_draft_step(*args)
+            out = self.long_draft_step(*args)
         else:  # eagerly, uncompiled: a long shape that seldom comes again must not compile mid-serving
             with torch.compiler.set_stance("force_eager"):
                 out = self._draft_step(*args)

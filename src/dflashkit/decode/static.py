@@ -607,7 +607,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
         # One graph per (rows, context bucket, span): their outputs are read in their round, so
         # they share one memory pool (the largest pass's).
-        engine.first_draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
+        engine.long_draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
     if runner_graphs:
         engine.commit_step = graphed_commit(engine.cache)
     return engine
