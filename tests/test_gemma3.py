@@ -136,7 +136,8 @@ def test_sliding_window_is_the_last_512_positions(gemma3):
 
 @pytest.mark.slow
 def test_every_engine_and_method_greedy_identical(gemma3):
-    """Both engines (the Transformers runner and the static runner's own Gemma layers), every
+    """Both engines (the Transformers runner and the static runner's own Gemma layers, also with
+    prefills and first drafts padded to a length bucket, as CUDA graphs replay them), every
     method, batch 1 and a ragged batch of 4 whose longest prompt the sliding window cuts through:
     exactly the target's own greedy tokens (an untrained drafter: the rounds still verify, roll
     back and re-draft across the window boundary)."""
@@ -145,7 +146,7 @@ def test_every_engine_and_method_greedy_identical(gemma3):
     from dflashkit.decode.static import static_engine
     from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
     from dflashkit.vocab import default_mask_token_id
-    from test_decode import greedy_reference
+    from test_decode import greedy_reference, padded_engine
 
     n_new, w = 6, gemma3.config.sliding_window
     torch.manual_seed(0)
@@ -155,7 +156,7 @@ def test_every_engine_and_method_greedy_identical(gemma3):
     refs = [greedy_reference(gemma3, p, n_new) for p in prompts]
     mask = default_mask_token_id(gemma3.tokenizer, gemma3.vocab_size, gemma3.model.generation_config)
     drafter = DFlashDrafter(drafter_config_for_target(gemma3.config, mask, num_layers=1, block_size=8)).float()
-    for name, make in [("hf", Engine), ("static", static_engine)]:
+    for name, make in [("hf", Engine), ("static", static_engine), ("padded", padded_engine)]:
         for method, budget in [("ar", None), ("dflash", None), ("ddtree", 8)]:
             d = drafter if method != "ar" else None
             alone = generate(make(gemma3, d), prompts[1], max_new_tokens=n_new, method=method, budget=budget)
