@@ -33,7 +33,7 @@ def timed(engine, prompts: list[torch.Tensor], batch: int, method: str, new: int
     sync(engine.target.device)
     seconds = time.perf_counter() - t0
     rounds = sum(g.rounds for g in gens)
-    return {"seconds": seconds, "tokens": sum(len(g.tokens) for g in gens), "rounds_per_row": rounds / len(gens),
+    return {"seconds": seconds, "tokens": sum(len(g.tokens) for g in gens),
             "prefill_ms": 1e3 * sum(g.prefill_seconds for g in gens) / len(gens),
             "round_ms": 1e3 * sum(g.decode_seconds for g in gens) / max(1, rounds)}
 

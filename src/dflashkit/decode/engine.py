@@ -37,12 +37,18 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chun
 LENGTH_BUCKET = 64  # prompt lengths of small passes are padded to a multiple of this (`Engine.small_pass`)
 
 
+def small(rows: int, length: int, small_pass: int) -> bool:
+    """Whether a pass of `rows` x `length` tokens is a small one: a bucket's length, at most
+    `small_pass` tokens in all (a CUDA graph per bucket serves it)."""
+    return length % LENGTH_BUCKET == 0 and rows * length <= small_pass
+
+
 def padded(rows: int, length: int, small_pass: int) -> int:
     """The length a pass over `rows` x `length` tokens runs at: rounded up to a multiple of
-    LENGTH_BUCKET when that is at most `small_pass` rows x tokens (a CUDA graph per bucket serves
-    it), else as it is. Padding tokens sit past each row's length: never committed or seen."""
+    LENGTH_BUCKET when that makes it `small`, else as it is. Padding tokens sit past each row's
+    length: never committed or seen."""
     bucketed = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
-    return bucketed if rows * bucketed <= small_pass else length
+    return bucketed if small(rows, bucketed, small_pass) else length
 
 
 def attention_backends(graph: bool = False) -> Any:
@@ -280,10 +286,9 @@ class Engine:
         dc.reserve(max(self.cache.bound, dc.bound + width) + B)
         n = dc.span(self.cache.bound + B, self.slot_bucket)
         args = (feats, bonus, dc.lengths_t, self.cache.lengths_t, n, budget, top_k, scored)
-        if c <= B and dc.k is not None:  # (buffers are allocated outside any graph)
-            out = self.draft_step(*args)
-        elif b * width <= self.small_pass and dc.k is not None:
-            out = self.long_draft_step(*args)
+        step = self.draft_step if c <= B else self.long_draft_step if small(b, width, self.small_pass) else None
+        if step is not None and dc.k is not None:  # (buffers are allocated outside any graph)
+            out = step(*args)
         else:  # eagerly, uncompiled: a long shape that seldom comes again must not compile mid-serving
             with torch.compiler.set_stance("force_eager"):
                 out = self._draft_step(*args)

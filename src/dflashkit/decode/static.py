@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
-from dflashkit.decode.engine import LENGTH_BUCKET, Engine, attention_backends
+from dflashkit.decode.engine import Engine, attention_backends, small
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
 from dflashkit.target import Target
@@ -363,7 +363,7 @@ class Graphs:
         self.graphs: dict[tuple, tuple[Any, list[Tensor], Any]] = {}
         self.where: Any = None
         self.shared = shared
-        self.pool: Any = None
+        self.pool: Any = None  # the shared pool's handle, made at the first capture (CUDA only)
 
     def __call__(self, *args: Any) -> Any:
         where = self.buffers()
@@ -447,15 +447,15 @@ class StaticRunner:
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Buffers are allocated at the first write, which must not happen inside a graph capture.
-        # A prefill (commit given) runs from a graph only when small and of a bucket's length
-        # (`engine.padded`: shapes come again) and over attention layers alone (a hybrid's prefill
+        # A prefill (commit given) runs from a graph only when `small` (a bucket's length, as
+        # `engine.padded` makes it: shapes come again) and over attention layers alone (a hybrid's prefill
         # folds its recurrent state in blocks, eagerly).
         b, q = tokens.shape
         step: Callable = self._step
         if self.graphed is not None and cache.k is not None:
             if commit is None and q <= GRAPH_MAX_TOKENS:
                 step = self.graphed
-            elif commit is not None and cache.linear is None and q % LENGTH_BUCKET == 0 and b * q <= SMALL_PASS_TOKENS:
+            elif commit is not None and cache.linear is None and small(b, q, SMALL_PASS_TOKENS):
                 step = self.prefills
         return self._run(step, cache, tokens, depths, ancestors, n, commit, graph=step is not self._step)
 
