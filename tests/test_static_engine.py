@@ -44,10 +44,11 @@ def _counting_engine(monkeypatch, captures: dict[str, int]):
 
     class Counting:
         def __init__(self, fn, buffers=lambda: None, preserve=list, shared=False):
-            self.fn, self.buffers, self.keys, self.where = fn, buffers, set(), None
+            self.fn, self.buffers, self.keys, self.where, self.calls = fn, buffers, set(), None, 0
             self.name = getattr(fn, "__name__", "commit") + (" (shared pool)" if shared else "")
 
         def __call__(self, *args):
+            self.calls += 1
             if self.buffers() != self.where:
                 self.keys, self.where = set(), self.buffers()
             key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
@@ -88,6 +89,43 @@ def test_joins_capture_no_new_graphs(monkeypatch):
         out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
     assert len(out) == 48 and len(joins) >= 5
     assert captures == {"_step": 1, "_draft_step": 1}, captures
+
+
+def test_joins_replay_staging_graphs_captured_before_serving(monkeypatch):
+    """Requests joining a running graph engine are prefilled by staging engines (`Engine.join`:
+    rows padded to a power of two with copies of a prompt, lengths to geometric buckets) whose
+    graphs `warm_joins` captures before serving: the joins then capture nothing, groups too large
+    for a staging pass run eagerly on a fresh engine, and every answer equals decoding its prompt
+    alone (so the padding rows and the padding tokens never reach a real row)."""
+    from dflashkit.decode.loop import Request, decode_stream
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    engine.join_pass = 512  # (smaller than on a GPU: fewer warm-up passes on the CPU)
+    g = torch.Generator().manual_seed(4)
+    # short prompts, and a long one now and then (a group with it is too large for a staging pass)
+    lengths = [200 + i if i % 7 == 3 else 5 + (37 * i) % 56 for i in range(40)]
+    prompts = [torch.randint(3, 120, (n,), generator=g) for n in lengths]
+    rows, queue, joins = 8, iter(range(8, 40)), []
+
+    def admit(running: int) -> list[Request]:  # groups of 1 to 8 (8 x 256 tokens > 512: eagerly)
+        new = [i for _, i in zip(range(rows - running), queue)]
+        joins.extend([len(new)] if new and running else [])
+        return [Request(prompts[i], limits[i]) for i in new]
+
+    limits = [6 + 5 * (i % 4) for i in range(40)]  # rows end at different rounds: groups of every size
+    engine.prefill([prompts[0]] * rows, capacity=512)  # the batch's caches, as a server's warm-up leaves them
+    engine.warm_joins(rows)
+    shapes = {m: set(stage.run.prefills.keys) for m, stage in engine.stagings.items()}
+    assert sorted(shapes) == [1, 2, 4, 8] and len(shapes[1]) == 4 and len(shapes[8]) == 1, shapes
+    out = {}
+    for step in decode_stream(engine, prompts[:rows], method="dflash", max_new_tokens=limits[:rows], admit=admit):
+        out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
+    assert len(out) == 40 and len(joins) >= 5 and any(n & (n - 1) for n in joins), joins  # (some counts padded)
+    assert {m: set(stage.run.prefills.keys) for m, stage in engine.stagings.items()} == shapes
+    assert sum(stage.run.prefills.calls for stage in engine.stagings.values()) > sum(map(len, shapes.values()))
+    alone = static_engine(engine.target, engine.drafter, cuda_graphs=False)
+    assert [out[i] for i in range(40)] == [generate(alone, p, max_new_tokens=n).tokens for p, n in zip(prompts, limits)]
 
 
 def test_small_prefills_and_first_drafts_replay_one_graph_per_length_bucket(monkeypatch):

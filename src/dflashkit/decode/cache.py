@@ -194,9 +194,10 @@ class KVCache:
             self.linear.keep_rows(idx)
 
     def put_rows(self, src: KVCache, rows: Sequence[int]) -> None:
-        """Copy every row j of `src` (its length and committed slots) into row rows[j] of this
-        cache; rows from `batch` on are appended. Rows of the storage keep their addresses
-        unless it must grow (more rows or slots than allocated)."""
+        """Copy row j of `src` (its length and committed slots) into row rows[j] of this cache,
+        for j < len(rows) (rows of `src` beyond are not copied); rows from `batch` on are
+        appended. Rows of the storage keep their addresses unless it must grow (more rows or
+        slots than allocated)."""
         b = max(self.batch, max(rows) + 1)
         lengths = self.lengths + [0] * (b - self.batch)
         for j, r in enumerate(rows):
@@ -219,11 +220,12 @@ class KVCache:
         self._view(b)
         if src.k is None:
             return
-        n = max(src.lengths)
+        m = len(rows)
+        n = max(src.lengths[:m])
         self.reserve(n)
         idx = torch.tensor(list(rows), device=self.k.device)
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # rows on dim 1; only committed slots move
-            mine[:, idx, :, :n] = theirs[:, :, :, :n]
+            mine[:, idx, :, :n] = theirs[:, :m, :, :n]
 
 
 class LayerKV(NamedTuple):
@@ -303,7 +305,7 @@ class LinearState:
                 self._conv[:, :old[0].shape[1]], self._rec[:, :old[1].shape[1]] = old
         self.conv, self.rec = self._conv[:, :batch], self._rec[:, :batch]
         idx = torch.tensor(list(rows), device=self.rec.device)
-        self.conv[:, idx], self.rec[:, idx] = src.conv, src.rec
+        self.conv[:, idx], self.rec[:, idx] = src.conv[:, :len(rows)], src.rec[:, :len(rows)]
         self.pending = None
 
     def keep_rows(self, idx: Tensor) -> None:

@@ -43,11 +43,19 @@ def small(rows: int, length: int, small_pass: int) -> bool:
     return length % LENGTH_BUCKET == 0 and rows * length <= small_pass
 
 
-def padded(rows: int, length: int, small_pass: int) -> int:
-    """The length a pass over `rows` x `length` tokens runs at: rounded up to a multiple of
-    LENGTH_BUCKET when that makes it `small`, else as it is. Padding tokens sit past each row's
-    length: never committed or seen."""
-    bucketed = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+def bucket(length: int, geometric: bool = False) -> int:
+    """`length` rounded up to a multiple of LENGTH_BUCKET, or (geometric) to LENGTH_BUCKET times a
+    power of two: fewer shapes, so that every one can be captured ahead of time (joins)."""
+    if geometric:
+        return LENGTH_BUCKET << max(0, -(-length // LENGTH_BUCKET) - 1).bit_length()
+    return -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def padded(rows: int, length: int, small_pass: int, geometric: bool = False) -> int:
+    """The length a pass over `rows` x `length` tokens runs at: rounded up to its `bucket` when
+    that makes it `small`, else as it is. Padding tokens sit past each row's length: never
+    committed or seen."""
+    bucketed = bucket(length, geometric)
     return bucketed if small(rows, bucketed, small_pass) else length
 
 
@@ -204,6 +212,13 @@ class Engine:
         # length bucket and go through `run` / `draft_step` as any round does (the static engine
         # replays them from CUDA graphs); 0: such passes run at their own length, eagerly.
         self.small_pass = 0
+        self.geometric = False  # lengths padded to `bucket(geometric=True)` (a staging engine's)
+        # Joins (`join`) of at most this many rows x tokens, rows padded to a power of two and
+        # lengths to geometric buckets, are prefilled by a staging engine per row count whose
+        # caches persist and whose runner (`twin`) replays CUDA graphs; 0: a fresh engine each
+        # time, eagerly.
+        self.join_pass = 0
+        self.stagings: dict[int, Engine] = {}
         self.late: collections.deque[tuple[Tensor, int]] = collections.deque()  # `commit_walk`s not settled yet
 
     @property
@@ -230,7 +245,7 @@ class Engine:
         self.check_prompts(prompts)
         dev, b = self.target.device, len(prompts)
         lens = [len(p) for p in prompts]
-        T = padded(b, max(lens), self.small_pass)
+        T = padded(b, max(lens), self.small_pass, self.geometric)
         # Right padding beyond each row's length; one transfer for every row (prompts joining a
         # batch are prefilled together: no per-row copies or host syncs).
         ids = torch.nn.utils.rnn.pad_sequence([*prompts, prompts[0].new_zeros(T)], batch_first=True)[:b]  # to T
@@ -280,7 +295,7 @@ class Engine:
         self.caught_up = c > B
         # Padding rows land past each row's context (the block overwrites the first ones; later
         # contexts the rest) and are never seen: one shape every round, few for long contexts.
-        width = B if c <= B else padded(b, c, self.small_pass)
+        width = B if c <= B else padded(b, c, self.small_pass, self.geometric)
         if width > c:
             feats = torch.cat([feats, feats.new_zeros(b, width - c, feats.shape[2])], 1)
         dc.reserve(max(self.cache.bound, dc.bound + width) + B)
@@ -359,6 +374,37 @@ class Engine:
         if self.late:  # rows move on the host's lengths, which miss the unsettled rounds
             raise RuntimeError(f"Engine.{step}: {len(self.late)} round(s) committed on the device are not settled")
 
+    def _stage(self, prompts: Sequence[Tensor]) -> tuple[Engine, list[Tensor]]:
+        """The engine that prefills joining `prompts`, and the prompts it runs: a small join
+        (`join_pass`) goes to the staging engine of its row count, padded to a power of two with
+        copies of the last prompt (its caches and CUDA graphs persist from join to join); any
+        other to a fresh engine, eagerly (graphs are captured over one cache's buffers)."""
+        m = len(prompts)
+        rows = 1 << (m - 1).bit_length()
+        if self.join_pass and small(rows, bucket(max(map(len, prompts)), True), self.join_pass):
+            if rows not in self.stagings:
+                stage = Engine(self.target, self.drafter, self.run.twin(self.join_pass))
+                stage.lm_head, stage.small_pass, stage.geometric = self.lm_head, self.join_pass, True
+                self.stagings[rows] = stage
+            return self.stagings[rows], [*prompts, *[prompts[-1]] * (rows - m)]
+        fresh = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
+        fresh.lm_head = self.lm_head
+        return fresh, list(prompts)
+
+    def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:
+        """Prefill `prompts` on their own caches (`_stage`) -> that engine, the logits at each
+        prompt's last token [m, V]. With a drafter running, it takes the prompts' features now,
+        over these rows only, so that the batch's next draft sees at most a block of new features
+        per row (its CUDA graph) instead of a pass over all b rows at prompt length. The block
+        drafted here is dropped: the batch's next draft writes it again at the same slots."""
+        new, run = self._stage(prompts)
+        logits = new.prefill(run, capacity=0)[:len(prompts)]  # the caches of the batch make the room (`put_rows`)
+        if self.dcache is not None and self.dcache.k is not None:
+            new.draft(torch.zeros(len(run), dtype=torch.long, device=logits.device))
+        if self.dcache is None or self.dcache.k is not None:  # no drafter will read them (again)
+            new.pending, new.pending_counts = new.pending[:, :0], [0] * len(run)
+        return new, logits
+
     @_passes
     def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
         """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
@@ -366,19 +412,7 @@ class Engine:
         features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
         -> logits at each prompt's last token [m, V]."""
         self._settled("join")
-        # Fresh caches for the m prompts; a runner with CUDA graphs runs them without (its graphs
-        # are captured over this engine's cache).
-        new = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
-        new.lm_head = self.lm_head
-        logits = new.prefill(prompts, capacity=0)  # the caches here make the room (`KVCache.put_rows`)
-        if self.dcache is not None and self.dcache.k is not None:
-            # The drafter takes the prompts' features now, over these m rows only, so that the
-            # batch's next draft sees at most a block of new features per row (its CUDA graph)
-            # instead of a pass over all b rows at prompt length. The block drafted here is
-            # dropped: the batch's next draft writes it again at the same slots.
-            new.draft(torch.zeros(len(prompts), dtype=torch.long, device=logits.device))
-        if self.dcache is None or self.dcache.k is not None:  # no drafter will read them (again)
-            new.pending, new.pending_counts = new.pending[:, :0], [0] * len(prompts)
+        new, logits = self._prefill_joining(prompts)
         self.cache.put_rows(new.cache, rows)
         self.cache.reserve(capacity)
         if self.dcache is not None:
@@ -389,12 +423,29 @@ class Engine:
         w, extra = max(self.pending.shape[1], new.pending.shape[1]), self.batch - len(self.pending_counts)
         pending = self.pending.new_zeros(self.batch, w, self.pending.shape[2])
         pending[:len(self.pending_counts), :self.pending.shape[1]] = self.pending
-        pending[torch.tensor(list(rows), device=pending.device), :new.pending.shape[1]] = new.pending
+        pending[torch.tensor(list(rows), device=pending.device), :new.pending.shape[1]] = new.pending[:len(rows)]
         self.pending = pending
         self.pending_counts = self.pending_counts + [0] * extra
         for r, n in zip(rows, new.pending_counts):
             self.pending_counts[r] = n
         return logits
+
+    @_passes
+    def warm_joins(self, rows: int) -> None:
+        """Prefill, on the staging engines, a join of every shape that joins into a batch of
+        `rows` rows can take (`join_pass`): on a graph engine every capture then happens here,
+        before serving, not in a join that the running rows wait for. The batch is untouched.
+        Longest first per row count, so that each staging cache is allocated once."""
+        if not self.join_pass:
+            return
+        dev, m, limit = self.target.device, 1, self.target.max_positions
+        while m < 2 * rows:
+            # prompts one token short of each bucket (a prompt leaves room for its answer)
+            lengths = [n - 1 for n in (self.join_pass // m >> k for k in range(16))
+                       if n >= LENGTH_BUCKET and bucket(n, True) == n and not (limit and n - 1 >= limit)]
+            for n in lengths + lengths[:1]:  # (a staging engine's first pass allocates its caches, eagerly)
+                self._prefill_joining([torch.zeros(n, dtype=torch.long, device=dev)] * min(m, rows))
+            m *= 2
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch)."""

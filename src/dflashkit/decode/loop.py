@@ -439,6 +439,7 @@ class DecodingGenerator:
         for p in (long, list(prompt)):
             generate_batch(self.engine, [torch.tensor(p)] * rows, max_new_tokens=n, method=self.method,
                            budget=self.budget, top_k=self.top_k, cost_aware=self.cost_aware)
+        self.engine.warm_joins(rows)  # and the prefills of requests that join a running batch
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],
                        cancelled: Callable[[int], bool] = lambda i: False,

@@ -21,6 +21,7 @@ Qwen3-Next's fused linear-layer projections are mapped once onto Qwen3.5's layou
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -46,6 +47,12 @@ GRAPH_MAX_TOKENS = 256  # round steps of more tokens per row run eagerly
 # so that no graph keeps the memory of a long pass. Eagerly, a 150-200-token SmolLM2 prefill is
 # ~1,200 launches (34 ms on an H200's host), from its graph 2.6 ms (docs/benchmarks.md).
 SMALL_PASS_TOKENS = 512
+# A join's prefill (`Engine.join`: a few requests joining a running batch) of at most this many
+# rows x tokens runs on a staging engine from CUDA graphs: eagerly it is ~1,200 launches for a
+# SmolLM2-sized target, which every running row waits for. Larger than the first prefill's, as joins
+# come in groups (a quarter of the rows, by default); rows and lengths are padded to powers of two,
+# so that `Engine.warm_joins` captures every shape before serving.
+JOIN_PASS_TOKENS = 4096
 
 
 def sparse_mlp(layer: Any) -> bool:
@@ -355,10 +362,11 @@ class Graphs:
     a capture must not advance them, so they are restored before the first replay. shared: every
     graph of this instance takes its memory from one pool (graphs of passes that vary in length
     would otherwise each keep their own); then an output is valid only until the next call of any
-    signature, so the caller must copy out what it keeps."""
+    signature, so the caller must copy out what it keeps; shared=another `Graphs`: this one takes
+    its memory from that one's pool (and the same rule holds across both)."""
 
     def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None,
-                 preserve: Callable[[], list[Tensor]] = list, shared: bool = False) -> None:
+                 preserve: Callable[[], list[Tensor]] = list, shared: bool | Graphs = False) -> None:
         self.fn, self.buffers, self.preserve = fn, buffers, preserve
         self.graphs: dict[tuple, tuple[Any, list[Tensor], Any]] = {}
         self.where: Any = None
@@ -388,9 +396,10 @@ class Graphs:
                         call()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                if self.shared and self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self.pool):
+                owner = self.shared if isinstance(self.shared, Graphs) else self
+                if self.shared and owner.pool is None:
+                    owner.pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=owner.pool):
                     out = call()
             for t, v in zip(self.preserve(), kept):
                 t.copy_(v)
@@ -435,14 +444,26 @@ class StaticRunner:
         # The layer functions of passes in CUDA graphs, or of every pass without graphs (`_run`).
         self.compiled = tuple(torch.compile(f, dynamic=True) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
         self.cache: KVCache | None = None
+        self.cuda_graphs = cuda_graphs
+        self.graphed = Graphs(self._step, self._where) if cuda_graphs else None
+        # Prefills of at most `small_pass` rows x tokens (padded to a length bucket by
+        # `Engine.prefill`): their outputs are copied out at once, so their graphs share one pool.
+        self.small_pass = SMALL_PASS_TOKENS
+        self.prefills = Graphs(self._step, self._where, shared=True) if cuda_graphs else None
 
-        def where() -> Any:
-            return self.cache.k.data_ptr(), self.cache.linear and self.cache.linear.rec.data_ptr()
+    def _where(self) -> Any:
+        return self.cache.k.data_ptr(), self.cache.linear and self.cache.linear.rec.data_ptr()
 
-        self.graphed = Graphs(self._step, where) if cuda_graphs else None
-        # Prefills of a few hundred tokens (padded to a length bucket by `Engine.prefill`): their
-        # outputs are copied out at once, so their graphs share one memory pool.
-        self.prefills = Graphs(self._step, where, shared=True) if cuda_graphs else None
+    def twin(self, small_pass: int) -> StaticRunner:
+        """The same layers (weights, compiled functions) for another cache (a staging engine's,
+        `Engine.join`): its prefills of at most `small_pass` rows x tokens replay CUDA graphs of
+        its own, from this runner's prefills' memory pool (their outputs are copied out at once
+        too); it runs no other pass from a graph."""
+        other = copy.copy(self)
+        other.cache, other.small_pass, other.graphed = None, small_pass, None
+        if self.prefills is not None:
+            other.prefills = Graphs(other._step, other._where, shared=self.prefills)
+        return other
 
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
                  commit: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -452,10 +473,10 @@ class StaticRunner:
         # folds its recurrent state in blocks, eagerly).
         b, q = tokens.shape
         step: Callable = self._step
-        if self.graphed is not None and cache.k is not None:
-            if commit is None and q <= GRAPH_MAX_TOKENS:
+        if self.cuda_graphs and cache.k is not None:
+            if commit is None and q <= GRAPH_MAX_TOKENS and self.graphed is not None:
                 step = self.graphed
-            elif commit is not None and cache.linear is None and small(b, q, SMALL_PASS_TOKENS):
+            elif commit is not None and cache.linear is None and small(b, q, self.small_pass):
                 step = self.prefills
         return self._run(step, cache, tokens, depths, ancestors, n, commit, graph=step is not self._step)
 
@@ -471,7 +492,7 @@ class StaticRunner:
         # warm-up, then replayed without Python). The eager passes beside them have new shapes all
         # the time (prefills, joins): there the guards cost launch time (30 against 43 ms per join
         # on an H200), and any new specialisation would compile in the middle of serving.
-        compiled = graph or self.graphed is None
+        compiled = graph or not self.cuda_graphs
         self.cache = cache
         h, feats, block = step(tokens, depths, ancestors, cache.lengths_t, cache.span(n, SLOT_BUCKET), commit, compiled)
         if cache.linear is not None:
@@ -600,7 +621,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         engine.lm_head = lambda hidden: target.lm_head(hidden, lambda x: linear(x, weight, head.bias))
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     if runner_graphs and "linear_attention" not in target.layer_kinds:  # (a hybrid's prefill runs eagerly)
-        engine.small_pass = SMALL_PASS_TOKENS
+        engine.small_pass, engine.join_pass = SMALL_PASS_TOKENS, JOIN_PASS_TOKENS
     if compile_drafter:  # the drafter's pass; its tree building (a beam search) would take minutes to compile
         engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True)
     if graphs and drafter is not None:
