@@ -82,8 +82,9 @@ async def _clients(url: str, clients: int, work: list[tuple[list[dict], int]], d
         async def client_loop() -> None:
             while work and time.perf_counter() - t0 < duration:
                 messages, n = work.pop(0)
+                sent = time.perf_counter() - t0
                 try:
-                    results.append(await one_request(client, url, messages, n))
+                    results.append({**await one_request(client, url, messages, n), "sent": sent})
                 except httpx.HTTPError as e:
                     results.append({"error": f"{type(e).__name__}: {e}"})
 
@@ -129,6 +130,8 @@ def load(url: str, clients: int, requests: int, duration: float, max_tokens: int
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             **{f"{key}_p{q}": percentile([r[key] for r in ok], q) for key in ("ttft", "latency") for q in (50, 99)},
             "client_procs": procs, "client_busy": busy,
+            # where a tail of slow first tokens comes from: (seconds into the run it was sent, its TTFT)
+            "ttft_slowest": sorted(([round(r["sent"], 3), round(r["ttft"], 3)] for r in ok), key=lambda x: -x[1])[:12],
             "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
 
 
