@@ -70,9 +70,25 @@ class _Job:
         self.finished = False  # its last chunk (with a finish_reason) was produced
 
     def put(self, item: Any) -> None:
+        _deliver([(self, item)])
+
+
+def _deliver(items: list[tuple[_Job, Any]]) -> None:
+    """Hand (job, item) pairs from the worker thread to their event loops: one wake-up per loop
+    for a whole round's chunks rather than one per row (each wake-up is a system call and a turn
+    of the loop, taken from the same GIL the round loop needs)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Job, Any]]] = {}
+    for job, item in items:
         if isinstance(item, GenerationChunk) and item.finish_reason:
-            self.finished = True
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+            job.finished = True
+        by_loop.setdefault(job.loop, []).append((job, item))
+    for loop, pairs in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, pairs)
+
+
+def _put_all(pairs: list[tuple[_Job, Any]]) -> None:
+    for job, item in pairs:
+        job.out.put_nowait(item)
 
 
 def text_so_far(tok: Any) -> Callable[[list[int]], str]:
@@ -263,8 +279,8 @@ class Engine:
             steps = self.generator.generate_batch(add(jobs), cancelled=cancelled, admit=admit)
             with closing(steps):
                 for step in steps:
+                    _deliver([(self.running[i], chunk) for i, chunk in step])
                     for i, chunk in step:
-                        self.running[i].put(chunk)
                         if chunk.finish_reason:
                             self._end(self.running.pop(i))
         except Exception as e:  # reported to every request of the batch, the server keeps serving
@@ -404,12 +420,12 @@ class _Guard:
 
 
 async def _cancel_on_disconnect(request: Any, job: _Job) -> None:
-    """Cancel `job` once its client has disconnected (ASGI reports it only when asked: poll)."""
-    while not job.cancelled.is_set():
-        if await request.is_disconnected():
-            job.cancelled.set()
-            return
-        await asyncio.sleep(0.1)
+    """Cancel `job` once its client has disconnected. The body has been read, so the next ASGI
+    message is the disconnect (or the end of the response): wait for it, rather than poll
+    `is_disconnected`, whose every call opens and cancels a cancel scope."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
 
 
 def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0,
@@ -506,22 +522,33 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
         detokenize = text_so_far(tok)
         generated = sent = 0
         keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
+        held: list[Any] = []  # an end or an error taken from the queue while merging chunks
         try:
             while True:
-                item = await job.out.get()
+                item = held.pop() if held else await job.out.get()
                 if item is None:
                     return
                 if isinstance(item, Exception):
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
-                generated += len(item.token_ids)
-                text = detokenize([t for t in item.token_ids if t not in stop_ids])
+                # Chunks that queued up while this client was being served go out as one event:
+                # a server that falls behind sends fewer, larger events instead of falling further.
+                new, finish, stats = list(item.token_ids), item.finish_reason, item.stats
+                while finish is None and not job.out.empty():
+                    more = job.out.get_nowait()
+                    if not isinstance(more, GenerationChunk):
+                        held.append(more)
+                        break
+                    new += more.token_ids
+                    finish, stats = more.finish_reason, more.stats
+                generated += len(new)
+                text = detokenize([t for t in new if t not in stop_ids])
                 cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
                     job.cancelled.set()
                     yield text[sent:cut], "stop", {"completion_tokens": generated}
                     return
-                if item.finish_reason:
-                    yield text[sent:], item.finish_reason, {"completion_tokens": generated, **item.stats}
+                if finish:
+                    yield text[sent:], finish, {"completion_tokens": generated, **stats}
                     return
                 end = len(text) - keep
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
