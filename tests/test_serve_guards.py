@@ -9,20 +9,21 @@ continuous-batching test runs the real round loop on one, in this process."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from datahelpers import save_tiny_target, start_cli
 from dflashkit.decode.generation import GenerationChunk
-from dflashkit.serve import build_app
+from dflashkit.serve import Admission, Engine, EngineProcess, Served, build_app
+from dflashkit.vocab import stop_token_ids
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -60,9 +61,8 @@ def tokenizer():
     return load_tokenizer()
 
 
-def fake_target(tok):
-    return SimpleNamespace(tokenizer=tok, name="fake", model=SimpleNamespace(),
-                           config=SimpleNamespace(max_position_embeddings=1 << 30))
+def served(tok):
+    return Served(tok, "fake", frozenset(stop_token_ids(tok, None)), 1 << 30)
 
 
 @contextmanager
@@ -106,9 +106,23 @@ def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=30).json()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_disconnects_frees_the_engine(tokenizer, stream):
-    with serving(build_app(fake_target(tokenizer), Endless())) as url:
+def load_endless():
+    """In an engine process (`EngineProcess`, as `dflashkit serve` runs): `Endless`."""
+    from dflashkit.data.chat import load_tokenizer
+
+    return served(load_tokenizer()), Endless()
+
+
+def endless(in_process: bool, max_queue: int = 0, on_failure=lambda: None):
+    """`Endless` behind the engine `dflashkit serve` uses (its own process) or one on a thread here."""
+    if in_process:
+        return Engine(Endless(), max_queue=max_queue)
+    return EngineProcess(load_endless, 1, max_queue, Admission(), on_failure)
+
+
+@pytest.mark.parametrize("stream,in_process", [(False, True), (True, True), (False, False), (True, False)])
+def test_a_client_that_disconnects_frees_the_engine(tokenizer, stream, in_process):
+    with serving(build_app(served(tokenizer), endless(in_process))) as url:
         s = raw_request(url, "/v1/chat/completions", {"messages": CHAT, "stream": stream})  # no max_tokens: endless
         assert poll(lambda: health(url)["running"] == 1)
         s.close()
@@ -118,8 +132,9 @@ def test_a_client_that_disconnects_frees_the_engine(tokenizer, stream):
         assert health(url)["completed"] == 1
 
 
-def test_a_full_queue_answers_503(tokenizer):
-    with serving(build_app(fake_target(tokenizer), Endless(), max_queue=1)) as url:
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_full_queue_answers_503(tokenizer, in_process):
+    with serving(build_app(served(tokenizer), endless(in_process, max_queue=1))) as url:
         busy = raw_request(url, "/v1/chat/completions", {"messages": CHAT})
         assert poll(lambda: health(url)["running"] == 1)
         waiting = raw_request(url, "/v1/chat/completions", {"messages": CHAT})
@@ -132,8 +147,29 @@ def test_a_full_queue_answers_503(tokenizer):
         assert poll(lambda: health(url)["running"] == 0 and health(url)["queued"] == 0)
 
 
+def test_an_engine_process_that_dies_fails_its_requests_and_stops_the_server(tokenizer):
+    """The engine's process killed under a running request: the request ends with an error (in
+    band, as its headers are sent), new ones get 503 naming the cause, and the server is told to
+    stop (`dflashkit serve` then exits with that error)."""
+    stopped = threading.Event()
+    engine = endless(False, on_failure=stopped.set)
+    with serving(build_app(served(tokenizer), engine)) as url:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={"messages": CHAT, "stream": True},
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {") and  # it runs
+                        json.loads(line[6:])["choices"][0]["delta"].get("content"))
+            os.kill(engine.proc.pid, signal.SIGKILL)
+            rest = list(lines)
+        assert any("the engine process exited (code -9)" in line for line in rest), rest[-3:]
+        assert stopped.wait(30) and engine.failed == "the engine process exited (code -9)"
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and "the engine process exited (code -9)" in r.json()["error"]["message"]
+    engine.close()
+
+
 def test_api_key_body_cap_and_strict_fields(tokenizer):
-    app = build_app(fake_target(tokenizer), Endless(), api_key="s3cret", max_body_bytes=2000)
+    app = build_app(served(tokenizer), Engine(Endless()), api_key="s3cret", max_body_bytes=2000)
     good = {"Authorization": "Bearer s3cret"}
     with serving(app) as url:
         assert httpx.get(f"{url}/health").status_code == 200  # open, for load balancers
@@ -157,7 +193,7 @@ def test_api_key_body_cap_and_strict_fields(tokenizer):
 
 def test_tokenisation_does_not_block_the_event_loop(tokenizer):
     gated = GatedTokenizer(tokenizer)
-    with serving(build_app(fake_target(gated), Endless())) as url:
+    with serving(build_app(served(gated), Engine(Endless()))) as url:
         s = raw_request(url, "/v1/completions", {"prompt": "BLOCK " * 10, "max_tokens": 2})
         try:
             assert gated.entered.wait(60)
@@ -219,9 +255,8 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
     import torch
 
     from conftest import make_tiny_drafter, make_tiny_target
-    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.engine import Engine as Decoder
     from dflashkit.decode.loop import DecodingGenerator, generate
-    from dflashkit.vocab import stop_token_ids
 
     target = make_tiny_target()
     target.config.max_position_embeddings = 1 << 20  # requests without a short limit run until cancelled
@@ -236,10 +271,10 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
         head.bias[sorted(stops)] = -1e4
     target.model.set_output_embeddings(head)
     drafter = make_tiny_drafter(target)
-    spy = Spy(DecodingGenerator(Engine(target, drafter)))
+    spy = Spy(DecodingGenerator(Decoder(target, drafter)))
     endless = {"prompt": [5, 6, 7, 8], "max_tokens": 100_000, "stream": True}
     short = {"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0}
-    with serving(build_app(fake_target(tokenizer), spy, max_batch=2)) as url:
+    with serving(build_app(served(tokenizer), Engine(spy, max_batch=2))) as url:
         a = raw_request(url, "/v1/completions", endless)
         b = raw_request(url, "/v1/completions", endless)
         assert poll(lambda: health(url)["running"] == 2)
@@ -255,7 +290,7 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
         b.close()
         assert poll(lambda: health(url)["running"] == 0 and health(url)["cancelled"] == 2)
         assert health(url)["completed"] == 1
-    alone = generate(Engine(target, drafter), torch.tensor(short["prompt"]), max_new_tokens=5, stop_ids=stops)
+    alone = generate(Decoder(target, drafter), torch.tensor(short["prompt"]), max_new_tokens=5, stop_ids=stops)
     assert r.json()["choices"][0]["text"] == tokenizer.decode([t for t in alone.tokens if t not in stops],
                                                               skip_special_tokens=True)
 

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import threading
@@ -61,26 +63,34 @@ log = logging.getLogger(__name__)
 
 
 class _Job:
-    def __init__(self, input_ids: list[int], params: dict[str, Any], queued_at: float) -> None:
-        self.input_ids, self.params = input_ids, params
+    """A request as the engine sees it. `loop`: the event loop its items (`GenerationChunk`,
+    `Exception`, then None at the end) go to, on its `out` queue; None in an engine process,
+    whose jobs' items go back through a pipe by their `key` (`EngineProcess`)."""
+
+    def __init__(self, input_ids: list[int], params: dict[str, Any], queued_at: float, key: int = 0,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.input_ids, self.params, self.key = input_ids, params, key
         self.queued_at = queued_at  # `Engine.clock` at submission
-        self.loop = asyncio.get_running_loop()
-        self.out: asyncio.Queue = asyncio.Queue()  # GenerationChunk | Exception | None (end)
+        self.loop = loop
+        self.out: asyncio.Queue | None = asyncio.Queue() if loop else None
         self.cancelled = threading.Event()
         self.finished = False  # its last chunk (with a finish_reason) was produced
+        self.on_cancel: Callable[[_Job], None] | None = None
 
-    def put(self, item: Any) -> None:
-        _deliver([(self, item)])
+    def cancel(self) -> None:
+        """The client is gone, a stop string was found or the response is done."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel:
+                self.on_cancel(self)
 
 
-def _deliver(items: list[tuple[_Job, Any]]) -> None:
-    """Hand (job, item) pairs from the worker thread to their event loops: one wake-up per loop
+def to_loops(items: list[tuple[_Job, Any]]) -> None:
+    """Hand (job, item) pairs from a worker thread to their event loops: one wake-up per loop
     for a whole round's chunks rather than one per row (each wake-up is a system call and a turn
-    of the loop, taken from the same GIL the round loop needs)."""
+    of the loop)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Job, Any]]] = {}
     for job, item in items:
-        if isinstance(item, GenerationChunk) and item.finish_reason:
-            job.finished = True
         by_loop.setdefault(job.loop, []).append((job, item))
     for loop, pairs in by_loop.items():
         loop.call_soon_threadsafe(_put_all, pairs)
@@ -160,7 +170,8 @@ class Engine:
     (seconds) times the waits for `admission`."""
 
     def __init__(self, generator: Generator, max_batch: int = 1, max_queue: int = 0,
-                 admission: Admission = Admission(), clock: Callable[[], float] = time.monotonic) -> None:
+                 admission: Admission = Admission(), clock: Callable[[], float] = time.monotonic,
+                 deliver: Callable[[list[tuple[_Job, Any]]], None] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batched = hasattr(generator, "generate_batch")
@@ -168,6 +179,8 @@ class Engine:
             raise ValueError(f"{type(generator).__name__} decodes one request at a time; max_batch must be 1")
         self.generator, self.max_batch, self.max_queue = generator, max_batch, max_queue
         self.admission, self.clock = admission, clock
+        self.deliver = deliver or to_loops  # None: the jobs belong to the submitting event loop
+        self.to_loops = deliver is None
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.running: dict[int, _Job] = {}  # being generated now, by their index in the batch's stream
         # cancelled: ended before the last token (client gone, stop string, shutdown, error)
@@ -176,14 +189,17 @@ class Engine:
         self.worker = threading.Thread(target=self._work, name="dflashkit-engine", daemon=True)
         self.worker.start()
 
-    def submit(self, input_ids: list[int], **params: Any) -> _Job:
+    def submit(self, input_ids: list[int], key: int = 0, **params: Any) -> _Job:
         if self.closed:
             raise QueueFull("the server is shutting down")
         if self.max_queue and self.jobs.qsize() >= self.max_queue:
             raise QueueFull(f"{self.jobs.qsize()} requests are already waiting (serve --max-queue {self.max_queue})")
-        job = _Job(input_ids, params, self.clock())
+        job = _Job(input_ids, params, self.clock(), key, asyncio.get_running_loop() if self.to_loops else None)
         self.jobs.put(job)
         return job
+
+    def health(self) -> dict[str, int]:
+        return {"queued": self.jobs.qsize(), "running": len(self.running), **self.counters}
 
     def close(self) -> None:
         """Cancel queued and running jobs and stop the worker after its current step."""
@@ -210,9 +226,15 @@ class Engine:
             else:
                 self._run(first)
 
+    def _put(self, pairs: list[tuple[_Job, Any]]) -> None:
+        for job, item in pairs:
+            if isinstance(item, GenerationChunk) and item.finish_reason:
+                job.finished = True
+        self.deliver(pairs)
+
     def _end(self, job: _Job) -> None:
         self.counters["completed" if job.finished else "cancelled"] += 1
-        job.put(None)
+        self._put([(job, None)])
 
     def _wanted(self, job: _Job) -> bool:
         """False for a job cancelled while queued, which is ended here (the flag is read once: it
@@ -279,18 +301,16 @@ class Engine:
             steps = self.generator.generate_batch(add(jobs), cancelled=cancelled, admit=admit)
             with closing(steps):
                 for step in steps:
-                    _deliver([(self.running[i], chunk) for i, chunk in step])
+                    self._put([(self.running[i], chunk) for i, chunk in step])
                     for i, chunk in step:
                         if chunk.finish_reason:
                             self._end(self.running.pop(i))
         except Exception as e:  # reported to every request of the batch, the server keeps serving
             log.exception("batched generation failed")
-            for job in self.running.values():
-                job.put(e)
+            self._put([(job, e) for job in self.running.values()])
         finally:
-            for job in self.running.values():
-                self._end(job)
-            self.running.clear()
+            while self.running:
+                self._end(self.running.popitem()[1])
 
     def _run(self, job: _Job) -> None:
         self.running[0] = job
@@ -298,15 +318,170 @@ class Engine:
             if not job.cancelled.is_set():
                 with closing(self.generator.generate(job.input_ids, **job.params)) as chunks:
                     for chunk in chunks:
-                        job.put(chunk)
+                        self._put([(job, chunk)])
                         if job.cancelled.is_set():  # client gone, or a stop string was found
                             break
         except Exception as e:  # reported to the request, the server keeps serving
             log.exception("generation failed")
-            job.put(e)
+            self._put([(job, e)])
         finally:
             self.running.clear()
             self._end(job)
+
+
+class EngineProcess:
+    """An `Engine` in a process of its own, which loads the model and decodes, while this process
+    serves HTTP (`dflashkit serve`). In one process, the event loop's work for every streamed
+    token (parsing, JSON, detokenising, socket writes) takes the interpreter lock from the round
+    loop, which for a small model is bound by the host. Here requests go to the engine's process
+    through a pipe and each round's chunks come back as one message. The same surface as `Engine`
+    for `build_app`: `submit`, `health`, `close`. If the engine's process dies, every open request
+    fails, `failed` says why, and `on_failure` is called (`run` stops the server)."""
+
+    def __init__(self, load: Callable[[], tuple[Served, Generator]], max_batch: int, max_queue: int,
+                 admission: Admission, on_failure: Callable[[], None] = lambda: None) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_process, args=(theirs, load, max_batch, admission),
+                                name="dflashkit-engine", daemon=True)
+        self.proc.start()
+        theirs.close()
+        try:
+            ready = self.conn.recv()  # after loading and warming up
+        except EOFError:
+            self.proc.join()
+            raise RuntimeError(f"the engine process exited (code {self.proc.exitcode}) while loading") from None
+        if isinstance(ready, BaseException):
+            self.proc.join()
+            raise ready
+        self.served: Served = ready
+        self.max_queue, self.on_failure = max_queue, on_failure
+        self.jobs: dict[int, _Job] = {}  # submitted and not ended, by key
+        self.state = {"running": 0, "completed": 0, "cancelled": 0}  # as the engine last reported it
+        self.lock = threading.Lock()  # `jobs` and the pipe's sending end
+        self.next_key = 0
+        self.closed = False
+        self.failed: str | None = None
+        self.reader = threading.Thread(target=self._read, name="dflashkit-engine-pipe", daemon=True)
+        self.reader.start()
+
+    def submit(self, input_ids: list[int], **params: Any) -> _Job:
+        if self.failed or self.closed:
+            raise QueueFull(self.failed or "the server is shutting down")
+        waiting = len(self.jobs) - self.state["running"]
+        if self.max_queue and waiting >= self.max_queue:
+            raise QueueFull(f"{waiting} requests are already waiting (serve --max-queue {self.max_queue})")
+        with self.lock:
+            job = _Job(input_ids, params, time.monotonic(), self.next_key, asyncio.get_running_loop())
+            job.on_cancel = self._cancel
+            self.next_key += 1
+            self.jobs[job.key] = job
+            self.conn.send(("submit", job.key, input_ids, params))
+        return job
+
+    def _cancel(self, job: _Job) -> None:
+        with self.lock:
+            if job.key in self.jobs and not self.failed:
+                self.conn.send(("cancel", job.key))
+
+    def health(self) -> dict[str, int]:
+        return {"queued": max(0, len(self.jobs) - self.state["running"]), **self.state}
+
+    def _read(self) -> None:
+        while True:
+            try:
+                pairs, state = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self.lock:
+                self.state = state
+                out = [(job, item) for key, item in pairs
+                       if (job := self.jobs.pop(key, None) if item is None else self.jobs.get(key)) is not None]
+            to_loops(out)
+        self.proc.join(5)
+        with self.lock:
+            if not self.closed:
+                self.failed = f"the engine process exited (code {self.proc.exitcode})"
+                log.error("%s: the server stops", self.failed)
+            gone = RuntimeError(self.failed or "the server is shutting down")
+            out = [(job, item) for job in self.jobs.values() for item in (gone, None)]
+            self.jobs.clear()
+        to_loops(out)
+        if self.failed:
+            self.on_failure()
+
+    def close(self) -> None:
+        """Cancel every job, let the engine's process end its round and exit."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.conn.send(("close",))
+            except OSError:  # already gone
+                pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.reader.join(10)
+
+
+def _engine_process(conn: Any, load: Callable[[], tuple[Served, Generator]], max_batch: int,
+                    admission: Admission) -> None:
+    """The engine's process (`EngineProcess`): load, report ready, then run the jobs that come
+    through `conn` until it says close or the server's process is gone."""
+    import pickle
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server stops us
+    try:
+        served, generator = load()
+    except Exception as e:
+        try:
+            conn.send(pickle.loads(pickle.dumps(e)))
+        except Exception:
+            conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
+        return
+    jobs: dict[int, _Job] = {}
+    lock = threading.Lock()
+
+    def portable(item: Any) -> Any:
+        if isinstance(item, Exception):
+            try:
+                pickle.dumps(item)
+            except Exception:
+                return RuntimeError(f"{type(item).__name__}: {item}")
+        return item
+
+    def deliver(pairs: list[tuple[_Job, Any]]) -> None:
+        with lock:
+            for job, item in pairs:
+                if item is None:
+                    jobs.pop(job.key, None)
+            conn.send(([(job.key, portable(item)) for job, item in pairs], engine.health()))
+
+    engine = Engine(generator, max_batch, 0, admission, deliver=deliver)
+    conn.send(served)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the server's process is gone
+            break
+        if message[0] == "submit":
+            _, key, input_ids, params = message
+            with lock:
+                jobs[key] = engine.submit(input_ids, key=key, **params)
+        elif message[0] == "cancel":
+            with lock:
+                job = jobs.get(message[1])
+            if job is not None:
+                job.cancelled.set()
+        else:
+            break
+    engine.close()
+    engine.worker.join(30)
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -425,17 +600,35 @@ async def _cancel_on_disconnect(request: Any, job: _Job) -> None:
     `is_disconnected`, whose every call opens and cancels a cancel scope."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled.set()
+    job.cancel()
 
 
-def build_app(target: Any, generator: Generator, *, model_name: str | None = None, fail_every: int = 0,
-              max_batch: int = 1, max_queue: int = 0, api_key: str | None = None, max_body_bytes: int = 8 << 20,
-              admission: Admission = Admission()):
-    """The FastAPI app. `fail_every=N` answers every N-th generation request with HTTP 500: a
-    fault injector for testing clients' retries (`dflashkit serve --fail-every N`). `max_batch`:
-    requests decoded at once (needs a `BatchedGenerator` when > 1). `max_queue`: requests that may
-    wait (0 = no limit; beyond, 503). `api_key`: required as a bearer token. `max_body_bytes`: 413
-    beyond. `admission`: when waiting requests join a running batch."""
+@dataclass(frozen=True)
+class Served:
+    """What the HTTP side needs of the target: its tokenizer (prompts in, text out), the model id
+    clients name, the tokens that end an answer, and the context length that bounds a request."""
+
+    tokenizer: Any
+    name: str
+    stop_ids: frozenset[int]
+    context: int
+
+    @classmethod
+    def of(cls, target: Any, model_name: str | None = None) -> Served:
+        from dflashkit.vocab import stop_token_ids
+
+        name = model_name or (Path(target.name).name if Path(target.name).exists() else target.name)
+        stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+        context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 31)
+        return cls(target.tokenizer, name, frozenset(stops), context)
+
+
+def build_app(served: Served, engine: Engine | EngineProcess, *, fail_every: int = 0, api_key: str | None = None,
+              max_body_bytes: int = 8 << 20):
+    """The FastAPI app over `engine` (which `build_app` closes at shutdown). `fail_every=N`
+    answers every N-th generation request with HTTP 500: a fault injector for testing clients'
+    retries (`dflashkit serve --fail-every N`). `api_key`: required as a bearer token.
+    `max_body_bytes`: 413 beyond."""
     try:
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
@@ -445,13 +638,8 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
         raise RuntimeError(f"the server needs fastapi and uvicorn: pip install 'dflashkit[serve]' ({e})") from None
 
     from dflashkit.data.chat import encode, render
-    from dflashkit.vocab import stop_token_ids
 
-    tok = target.tokenizer
-    name = model_name or (Path(target.name).name if Path(target.name).exists() else target.name)
-    stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
-    context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 31)
-    engine = Engine(generator, max_batch, max_queue, admission)
+    tok, name, stop_ids, context = served.tokenizer, served.name, served.stop_ids, served.context
     counters = {"requests": 0, "injected_failures": 0}
     # Tokenisation (a 1 MB prompt takes seconds) runs here, off the event loop; one thread, as a
     # fast tokenizer must not be used by two threads at once.
@@ -491,8 +679,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "queued": engine.jobs.qsize(), "running": len(engine.running),
-                **counters, **engine.counters}
+        return {"status": "ok", "model": name, **counters, **engine.health()}
 
     @app.get("/v1/models")
     async def models():
@@ -544,7 +731,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
                 text = detokenize([t for t in new if t not in stop_ids])
                 cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
-                    job.cancelled.set()
+                    job.cancel()
                     yield text[sent:cut], "stop", {"completion_tokens": generated}
                     return
                 if finish:
@@ -557,7 +744,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
                     yield text[sent:end], None, {}
                     sent = end
         finally:
-            job.cancelled.set()
+            job.cancel()
 
     async def respond(request: Request, req: Any, ids: list[int], max_tokens: int | None, chat: bool):
         params = prepare(req, ids, max_tokens)
@@ -615,7 +802,7 @@ def build_app(target: Any, generator: Generator, *, model_name: str | None = Non
                 yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
             finally:
                 watcher.cancel()
-                job.cancelled.set()
+                job.cancel()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -740,8 +927,7 @@ def admission_from_args(args: argparse.Namespace) -> Admission:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from dflashkit.commands import config_from_args, resolve_device
-    from dflashkit.target import load_target
+    from dflashkit.commands import config_from_args
 
     if args.max_queue < 0 or args.max_body_mb <= 0 or args.shutdown_timeout < 0:
         raise ValueError("--max-queue must be >= 0, --max-body-mb > 0 and --shutdown-timeout >= 0")
@@ -752,7 +938,33 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise ValueError(f"--max-batch needs N >= 1, got {args.max_batch}")
     admission = admission_from_args(args)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # invalid settings fail here, before a process is started
+    engine = EngineProcess(functools.partial(load_for_serving, args, cfg), args.max_batch, args.max_queue, admission,
+                           on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    app = build_app(engine.served, engine, fail_every=args.fail_every, api_key=args.api_key or None,
+                    max_body_bytes=int(args.max_body_mb * 2**20))
+    # Bind first, then announce: with --port 0 the caller learns the port, and connections made
+    # before uvicorn starts accepting wait in the backlog instead of being refused.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(128)
+    host, port = sock.getsockname()[:2]
+    print(f"dflashkit serve: listening on http://{host}:{port}/v1", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run(sockets=[sock])
+    engine.close()
+    if engine.failed:
+        raise RuntimeError(f"{engine.failed}; see its messages above")
+    return 0
+
+
+def load_for_serving(args: argparse.Namespace, cfg: Any) -> tuple[Served, Generator]:
+    """In the engine's process: the target, the drafter and the decoding generator of `dflashkit
+    serve`, warmed up."""
+    from dflashkit.commands import resolve_device
+    from dflashkit.target import load_target
+
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                          device=resolve_device(cfg.target.device))
     drafter = None
@@ -766,17 +978,4 @@ def run(args: argparse.Namespace) -> int:
     if generator.engine.fixed_rows:
         print(f"dflashkit serve: warming up ({args.max_batch} rows: compiling, capturing CUDA graphs)", flush=True)
         generator.warm_up(target.tokenizer("Hello, world!")["input_ids"])
-    app = build_app(target, generator, model_name=args.model_name, fail_every=args.fail_every, max_batch=args.max_batch,
-                    max_queue=args.max_queue, api_key=args.api_key or None,
-                    max_body_bytes=int(args.max_body_mb * 2**20), admission=admission)
-    # Bind first, then announce: with --port 0 the caller learns the port, and connections made
-    # before uvicorn starts accepting wait in the backlog instead of being refused.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(128)
-    host, port = sock.getsockname()[:2]
-    print(f"dflashkit serve: listening on http://{host}:{port}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run(sockets=[sock])
-    return 0
+    return Served.of(target, args.model_name), generator
