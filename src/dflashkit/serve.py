@@ -13,7 +13,8 @@ requests queue instead of racing on the model and its KV cache. With `--max-batc
 up to N requests as one batch that requests join and leave between rounds (continuous
 batching): a request waits only while N others are running, or, as joins are cheaper in groups,
 until enough rows are free or it has waited long enough (`Admission`, `--join-min-free`,
-`--join-max-wait-ms`).
+`--join-max-wait-ms`). `dflashkit serve` runs that engine in a process of its own
+(`EngineProcess`), so that HTTP work does not take the interpreter lock from the round loop.
 
 Running for days: a request whose client disconnected is cancelled (streaming or not), so the
 engine moves on; at most `--max-queue` requests wait (503 beyond, with Retry-After); request bodies
