@@ -181,7 +181,6 @@ class Engine:
         self.generator, self.max_batch, self.max_queue = generator, max_batch, max_queue
         self.admission, self.clock = admission, clock
         self.deliver = deliver or to_loops  # None: the jobs belong to the submitting event loop
-        self.to_loops = deliver is None
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.running: dict[int, _Job] = {}  # being generated now, by their index in the batch's stream
         # cancelled: ended before the last token (client gone, stop string, shutdown, error)
@@ -195,7 +194,7 @@ class Engine:
             raise QueueFull("the server is shutting down")
         if self.max_queue and self.jobs.qsize() >= self.max_queue:
             raise QueueFull(f"{self.jobs.qsize()} requests are already waiting (serve --max-queue {self.max_queue})")
-        job = _Job(input_ids, params, self.clock(), key, asyncio.get_running_loop() if self.to_loops else None)
+        job = _Job(input_ids, params, self.clock(), key, asyncio.get_running_loop() if self.deliver is to_loops else None)
         self.jobs.put(job)
         return job
 
@@ -434,27 +433,23 @@ def _engine_process(conn: Any, load: Callable[[], tuple[Served, Generator]], max
     """The engine's process (`EngineProcess`): load, report ready, then run the jobs that come
     through `conn` until it says close or the server's process is gone."""
     import pickle
-    import signal
+
+    def portable(item: Any) -> Any:  # an exception that cannot cross the pipe goes as its message
+        if isinstance(item, Exception):
+            try:
+                pickle.loads(pickle.dumps(item))
+            except Exception:
+                return RuntimeError(f"{type(item).__name__}: {item}")
+        return item
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server stops us
     try:
         served, generator = load()
     except Exception as e:
-        try:
-            conn.send(pickle.loads(pickle.dumps(e)))
-        except Exception:
-            conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
+        conn.send(portable(e))
         return
     jobs: dict[int, _Job] = {}
     lock = threading.Lock()
-
-    def portable(item: Any) -> Any:
-        if isinstance(item, Exception):
-            try:
-                pickle.dumps(item)
-            except Exception:
-                return RuntimeError(f"{type(item).__name__}: {item}")
-        return item
 
     def deliver(pairs: list[tuple[_Job, Any]]) -> None:
         with lock:
