@@ -768,14 +768,18 @@ def test_rounds_without_a_draft_leave_the_drafter_its_whole_context(tiny_target,
     torch.testing.assert_close(got, ref_eng.draft(ref_bonus).logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("engine", ["hf", "static"])
-def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, monkeypatch):
+@pytest.mark.parametrize("engine,full_only", [("hf", False), ("static", False), ("static", True)])
+def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, full_only, monkeypatch):
     """Rounds that skip the draft, mixed with rounds that draft (here: drafting every third
-    round), give the target's own greedy outputs; the skipped drafts are recorded as size 0."""
+    round), give the target's own greedy outputs; the skipped drafts are recorded as size 0.
+    full_only: where only the full width pays (a GPU), rounds may be read a round late, as
+    without cost-awareness."""
     from dflashkit.decode import cost
 
     calls = itertools.count()  # a draft every third round
     monkeypatch.setattr(cost.Drafting, "choose", lambda self: next(calls) % 3 == 0)
+    if full_only:
+        monkeypatch.setattr(cost.CostCurve, "worth_choosing", lambda c: cost.CostCurve(c.widths[-1:], c.seconds[-1:]))
     drafter = make_tiny_drafter(tiny_target)
     prompts = ragged_prompts(7, (15, 9, 21))
     refs = [greedy_reference(tiny_target, p, 40) for p in prompts]

@@ -397,7 +397,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
     engines = {n: make_engine(target, d, engine) for n, d in drafters.items()}
     exact_fp32 = exact_logits(target)
     base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
-    runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": [], "unexplained": []}
+    runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": [], "unexplained": [],
+                      "draft_sizes": []}
                 for lab, _, _ in labels} for n in drafters}
     if target.device.type == "cuda" and prompts:  # (CUDA graphs are captured and kernels compiled on first use)
         warm_up([base_engine, *engines.values()], labels, [pr.ids for pr in prompts],
@@ -417,6 +418,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                 g = generate(eng, pr.ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"), **kw)
                 r = runs[name][lab]
                 r["taus"] += g.accept_lengths
+                r["draft_sizes"] += g.draft_sizes
                 r["tokens"] += len(g.tokens)
                 r["seconds"] += g.prefill_seconds + g.decode_seconds
                 r["decode_seconds"] += g.decode_seconds
@@ -454,7 +456,15 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                         "identical": (not r["mismatches"]) if greedy else None, "mismatches": r["mismatches"],
                         "unexplained_partings": r["unexplained"],
                         "identical_prompts": len(prompts) - len(r["mismatches"]) if greedy else None}
-        report["drafters"][name] = {"block_size": B, "methods": out}
+            if r["draft_sizes"]:  # cost-aware: the draft tokens verified per round (0: a round without a draft)
+                sizes = r["draft_sizes"]
+                out[lab]["draft_sizes"] = {"mean": sum(sizes) / len(sizes),
+                                           "drafted_share": sum(s > 0 for s in sizes) / len(sizes)}
+        # cost-aware: each method's verification curve as measured (the widths worth choosing)
+        curves = {f"{m}-{bud}" if bud else m: {"batch": b, "widths": c.widths, "seconds": c.seconds,
+                                                 "stall_seconds": c.stall_seconds, "overhead_seconds": c.overhead_seconds}
+                  for (m, bud, b), (c, _) in engines[name].cost_state.items()}
+        report["drafters"][name] = {"block_size": B, "methods": out, **({"cost_curves": curves} if curves else {})}
     return report
 
 
@@ -487,7 +497,11 @@ def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "mismatches": [x for m in ms for x in m["mismatches"]],
                 "unexplained_partings": [x for m in ms for x in m["unexplained_partings"]],
                 "identical_prompts": None if ms[0]["identical"] is None else sum(m["identical_prompts"] for m in ms)}
-        drafters[name] = {"block_size": d["block_size"], "methods": methods}
+            if all("draft_sizes" in m for m in ms):
+                methods[lab]["draft_sizes"] = {k: sum(m["draft_sizes"][k] * m["rounds"] for m in ms) / max(rounds, 1)
+                                               for k in ("mean", "drafted_share")}
+        drafters[name] = {"block_size": d["block_size"], "methods": methods,
+                          **({"cost_curves": d["cost_curves"]} if "cost_curves" in d else {})}
     return {"mode": "online", "prompts": sum(p["prompts"] for p in parts), "greedy": first["greedy"],
             "dtype": first["dtype"], "baseline": base, "drafters": drafters,
             "per_prompt": [row for p in parts for row in p["per_prompt"]]}
@@ -507,7 +521,8 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
         parts.append(rep)
         table[suite.name] = {"prompts": rep["prompts"], "max_new_tokens": suite.max_new_tokens,
                              "baseline_tokens_per_s": rep["baseline"]["tokens_per_s"],
-                             "drafters": {n: {lab: {k: m[k] for k in ("tau", "rounds", "speedup", "identical", "mismatches")}
+                             "drafters": {n: {lab: {k: m[k] for k in ("tau", "rounds", "speedup", "identical", "mismatches",
+                                                                     "draft_sizes") if k in m}
                                               for lab, m in d["methods"].items()} for n, d in rep["drafters"].items()}}
     report = pool_reports(parts)
     headline: dict[str, Any] = {}

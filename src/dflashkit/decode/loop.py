@@ -152,6 +152,7 @@ class _Round:
     chain: bool  # every row's tree is a chain (DFlash, AR)
     started: float
     drafted: bool  # False: an autoregressive round (no draft, or cost-aware decoding chose none)
+    timed: bool  # its time represents a round of its kind (not a draft that took a long context first)
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
@@ -228,10 +229,11 @@ def decode_stream(
     size it passed through (seconds of stalls for every running row).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling,
-    recording or cost-aware), a round whose tokens have not reached the host yet is read a round
-    late, the next one already running on the device: a row's end is then seen a round after
-    it, and that round's tokens for the row are dropped. cost_aware: measure what
+    `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling
+    or recording), a round whose tokens have not reached the host yet is read a round late, the
+    next one already running on the device (except a cost-aware round that read its draft's
+    scores): a row's end is then seen a round after it, and that round's tokens for the row are
+    dropped. cost_aware: measure what
     verification costs here, then verify per round only the draft prefix that maximises expected
     tokens per second, and draft at all only while drafting rounds give more tokens per second
     than autoregressive ones (`decode/cost.py`; both kept on the engine per method and batch size);
@@ -259,18 +261,21 @@ def decode_stream(
     admitted = n  # requests so far: the next one's index
     yield step
     # A round needs nothing from the host to launch the next one (the walk, the commit and the
-    # next bonus stay on the device), so without admissions (which change the batch) or
-    # cost-aware choices (which read the draft) the host reads a round's tokens while the next
-    # runs, unless they have already arrived (the host being the slower side, as for a small
-    # target): then it reads them first, and never runs a round past every row's end.
-    lag = admit is None and not (record_top or profile or cost_aware)
+    # next bonus stay on the device), so without admissions (which change the batch) the host
+    # reads a round's tokens while the next runs, unless they have already arrived (the host
+    # being the slower side, as for a small target): then it reads them first, and never runs a
+    # round past every row's end. (A cost-aware round that read its draft's scores to choose a
+    # width has waited for the device already: it is read at once.)
+    lag = admit is None and not (record_top or profile)
     inflight: _Round | None = None
     running_t: tuple[list[bool], Tensor] | None = None  # the running rows on the device (for `commit_walk`)
     empty: dict[int, tuple[Trees, Tensor, Tensor]] = {}  # `_trees`' autoregressive rounds
 
-    def finish(rnd: _Round) -> Step:
+    def finish(rnd: _Round, next_started: float | None = None) -> Step:
         """A launched (and committed) round's host side: read each row's path and tokens, tell
-        the engine the counts, extend each row's answer -> the stream step."""
+        the engine the counts, extend each row's answer -> the stream step. A round's time runs
+        to the launch of the next (`next_started`, when that came first: read a round late, a
+        round costs the interval between launches) or to now."""
         host, w = rnd.read(), rnd.width
         # a chain's path is nodes 0..accepted; new tokens: the accepted draft tokens (equal to the
         # target's), then its next one
@@ -279,13 +284,12 @@ def decode_stream(
         top = _top(rnd.logits, record_top) if record_top else None
         if rnd.drafted:  # committed on the device at launch: the host learns the counts (idle rows: 0)
             engine.settle([len(path) if run else 0 for path, run in zip(paths, rnd.running)])
-        seconds = time.perf_counter() - rnd.started  # the host transfer has waited for verification
+        seconds = (next_started or time.perf_counter()) - rnd.started  # (the read has waited for verification)
         if curve is not None and rnd.drafted:
             curve.observe(seconds, rnd.width)
         if drafting is not None:
             kept = [len(new) for new, run in zip(news, rnd.running) if run]
-            drafting.observe(rnd.drafted, seconds, sum(kept) / max(1, len(kept)),
-                             timed=not (rnd.drafted and engine.caught_up))
+            drafting.observe(rnd.drafted, seconds, sum(kept) / max(1, len(kept)), rnd.timed)
         stages.mark("commit")
         step = []
         now = time.perf_counter()
@@ -364,18 +368,22 @@ def decode_stream(
         walked = walk(trees, anc, picked, chain)  # on the device: the next bonus stays there
         bonus = walked.bonus
         read = HostCopy(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
-        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted)
+        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
+                     not (drafted and engine.caught_up))
         if not drafted:  # each running row keeps its one node
             engine.commit([range(1) if run else range(0) for run in running])
         else:  # each row's path as the walk left it on the device: the next round can queue behind
             if running_t is None or running_t[0] != running:
                 running_t = (list(running), to_device([int(r) for r in running], dev))
             engine.commit_walk(walked, running_t[1], chain)
-        if not lag:
+        if not lag or (drafted and scored):  # (a round that read its draft's scores waited for the device)
+            if inflight is not None:
+                yield finish(inflight, t_round)
+                inflight = None
             yield finish(rnd)
             continue
         if inflight is not None:  # the last round's tokens, read while this one runs on the device
-            yield finish(inflight)
+            yield finish(inflight, t_round)
         inflight = rnd
 
 
