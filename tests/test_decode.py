@@ -713,11 +713,16 @@ def test_cost_curve_picks_the_best_prefix():
     assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 5  # only measured widths: 3 is not one
     steep.observe(12.0, 1)  # a round of width 1 took 12 s: 11 s of it were not verification
     assert steep.overhead_seconds == 11.0 and steep.best_width(exp) == 5  # the fixed cost makes width pay
-    # a width is a candidate only if it saves >= 10 % of the full pass (else: decide nothing, as fixed)
-    assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).worth_choosing().widths == [8]
-    assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).worth_choosing().widths == [1, 2, 8]
-    # a width must also repay the stall of reading the confidences before verifying
-    assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0], stall_seconds=0.35).worth_choosing().widths == [1, 8]
+    # a width is a candidate only if its round saves >= 10 % of a full one (else: decide nothing, as fixed)
+    assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).candidates() == [8]
+    assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).candidates() == [1, 2, 8]
+    # ... with the stall of reading the confidences before verifying
+    assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0], stall_seconds=0.35).candidates() == [1, 8]
+    # ... and the round's other costs, as learnt: a pass 20 % cheaper saves 8 % of such a round
+    gpu = CostCurve([1, 16], [1.25, 1.53], stall_seconds=0.09)
+    assert gpu.candidates() == [1, 16]
+    gpu.observe(2.36, 16)
+    assert gpu.candidates() == [16] and gpu.best_width(torch.ones(16)) == 16
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation(torch.tensor([[0.0, -0.693147, -1e9]])), torch.tensor([1.0, 2.0, 2.5, 2.5]))
     # summed over rows
@@ -779,7 +784,7 @@ def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, ful
     calls = itertools.count()  # a draft every third round
     monkeypatch.setattr(cost.Drafting, "choose", lambda self: next(calls) % 3 == 0)
     if full_only:
-        monkeypatch.setattr(cost.CostCurve, "worth_choosing", lambda c: cost.CostCurve(c.widths[-1:], c.seconds[-1:]))
+        monkeypatch.setattr(cost.CostCurve, "candidates", lambda c: c.widths[-1:])
     drafter = make_tiny_drafter(tiny_target)
     prompts = ragged_prompts(7, (15, 9, 21))
     refs = [greedy_reference(tiny_target, p, 40) for p in prompts]

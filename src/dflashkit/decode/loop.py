@@ -110,7 +110,7 @@ def _trees(draft: Draft | None, bonus: Tensor, curve: cost.CostCurve | None,
         trees, depths, anc = empty[b]
         return trees, bonus[:, None], depths, anc
     trees, tokens, depths, anc = draft.trees, draft.tokens, draft.depths, draft.ancestors
-    if curve is None or len(curve.widths) == 1:  # only the full width pays: as without a curve
+    if curve is None or len(curve.candidates()) == 1:  # only the full width pays: as without a curve
         return trees, tokens, depths, anc
     q = curve.best_width(cost.tree_expectation(trees.scores.cpu()))
     return prefix(trees, q - 1), tokens[:, :q], depths[:, :q], anc[:, :q, :q]
@@ -355,7 +355,7 @@ def decode_stream(
         stages.start()
         t_round = time.perf_counter()
         drafted = method != "ar" and (drafting is None or drafting.choose())
-        scored = curve is not None and len(curve.widths) > 1  # cost-aware: the tree's scores are read
+        scored = curve is not None and len(curve.candidates()) > 1  # cost-aware: the tree's scores are read
         draft = engine.draft(bonus, None if method == "dflash" else budget, top_k, scored) if drafted else None
         stages.mark("draft")
         trees, tokens, depths, anc = _trees(draft, bonus, curve, empty)
