@@ -711,8 +711,8 @@ def test_cost_curve_picks_the_best_prefix():
     assert flat.best_width(exp) == 5 and steep.best_width(exp) == 1
     assert CostCurve([1, 3, 5], [1.0, 1.4, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
     assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 5  # only measured widths: 3 is not one
-    steep.observe(12.0, 1)  # a round of width 1 took 12 s: 11 s of it were not verification
-    assert steep.overhead_seconds == 11.0 and steep.best_width(exp) == 5  # the fixed cost makes width pay
+    steep.observe(12.0, 1, chosen=True)  # a round of width 1 took 12 s: 11 s of it were not verification
+    assert steep.chosen_overhead() == 11.0 and steep.best_width(exp) == 5  # the fixed cost makes width pay
     # a width is a candidate only if its round saves >= 10 % of a full one (else: decide nothing, as fixed)
     assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).candidates() == [8]
     assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).candidates() == [1, 2, 8]
@@ -721,8 +721,14 @@ def test_cost_curve_picks_the_best_prefix():
     # ... and the round's other costs, as learnt: a pass 20 % cheaper saves 8 % of such a round
     gpu = CostCurve([1, 16], [1.25, 1.53], stall_seconds=0.09)
     assert gpu.candidates() == [1, 16]
-    gpu.observe(2.36, 16)
+    gpu.observe(2.36, 16, chosen=False)
     assert gpu.candidates() == [16] and gpu.best_width(torch.ones(16)) == 16
+    # ... and what choosing rounds cost once run: a read that stalls more than measured
+    gpu = CostCurve([1, 16], [1.25, 1.70], stall_seconds=0.1)
+    gpu.observe(2.7, 16, chosen=False)
+    assert gpu.candidates() == [1, 16]  # 1.0 + 0.1 + 1.25 <= 0.9 * 2.7
+    gpu.observe(3.1, 16, chosen=True)
+    assert gpu.chosen_overhead() == pytest.approx(1.4) and gpu.candidates() == [16]
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation(torch.tensor([[0.0, -0.693147, -1e9]])), torch.tensor([1.0, 2.0, 2.5, 2.5]))
     # summed over rows
@@ -800,9 +806,10 @@ def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, ful
 
 
 def test_drafting_pays_or_steps_aside():
-    """Drafting goes on while τ · t_ar / t_draft >= 0.85; below, rounds skip the draft but the last
-    four of every interval (16 rounds, doubling while drafting does not pay, up to 128), and drafting
-    resumes at 1 or more; a draft that took a long context first is not timed."""
+    """Drafting goes on while τ · t_ar / t_draft >= 0.85, τ taken one standard error above its
+    16-round mean; below, rounds skip the draft but the last four of every interval (16 rounds,
+    doubling while drafting does not pay, up to 128), and drafting resumes at 1 or more; a draft
+    that took a long context first is not timed."""
     from dflashkit.decode.cost import Drafting
 
     def run(d: Drafting, n: int, tau: float, t_draft: float = 2.0) -> list[bool]:
@@ -821,6 +828,9 @@ def test_drafting_pays_or_steps_aside():
         assert not d.choose()
         d.observe(False, 1.0, None)
     assert all(run(d, 20, 1.8))  # 0.9: below 1, but within the margin: drafting goes on
+    for k in range(32):  # τ 1.0 and 2.3 in turn: a mean of 1.65 (0.825), but 1.82 (0.91) within its error
+        assert d.choose()
+        d.observe(True, 2.0, (1.0, 2.3)[k % 2])
     first = run(d, 48, 1.0)
     assert first[:3] == [True, True, True] and first[3:].count(True) <= 8  # τ fell: drafting stopped
     later = run(d, 400, 1.0)

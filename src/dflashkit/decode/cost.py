@@ -26,39 +26,51 @@ MIN_SAVING = 0.1  # a narrower verification pass is a candidate if its round cos
 class CostCurve:
     widths: list[int]  # verification widths measured, ascending: the only widths a round verifies
     seconds: list[float]  # one pass of that width
-    overhead_seconds: float = 0.0  # a round's time besides verification: draft, host work, commit (running estimate)
-    stall_seconds: float = 0.0  # what a round loses by reading the draft's confidences before it verifies
+    stall_seconds: float = 0.0  # measured: what reading the draft's confidences before verifying adds to a pass
+    overhead_seconds: float = 0.0  # a round's time besides verification, full pass unread (running estimate)
+    chosen_overhead_seconds: float | None = None  # the same for rounds that read the confidences to choose
+
+    def chosen_overhead(self) -> float:
+        """A choosing round's time besides verification: learnt from such rounds once run (their
+        read stalls the device while the host chooses, which a pair of passes measures short of),
+        else the unread rounds' plus the measured stall."""
+        if self.chosen_overhead_seconds is not None:
+            return self.chosen_overhead_seconds
+        return self.overhead_seconds + self.stall_seconds
 
     def candidates(self) -> list[int]:
-        """The widths worth choosing: those whose round (the overhead, the pass and the stall of
-        reading the confidences first) costs at most (1 - MIN_SAVING) of a round of the full
-        (widest) pass, and the full one. Where verification is about free (a GPU at small batch)
-        only the full width is left, and a round runs as without cost-awareness: no read of the
-        draft's confidences, no wait for them. Judged on whole rounds, as the overhead is learnt:
-        a pass that saves a third of itself may save too little of a round whose draft and host
-        work cost as much again (SmolLM2 on an H200: 1.25 against 1.53 ms a pass, 2.4 ms a round)."""
-        full = self.overhead_seconds + self.seconds[-1]
-        bar = (1 - MIN_SAVING) * full
-        keep = [w for w, sec in zip(self.widths[:-1], self.seconds) if self.overhead_seconds + sec + self.stall_seconds <= bar]
-        return keep + self.widths[-1:]
+        """The widths worth choosing: those whose choosing round costs at most (1 - MIN_SAVING) of
+        a round that verifies the full (widest) draft unread, and the full one. Where verification
+        is about free (a GPU at small batch) only the full width is left, and a round runs as
+        without cost-awareness: no read of the draft's confidences, no wait for them. Judged on
+        whole rounds as they are learnt: a pass that saves a fifth of itself saves too little of a
+        round whose draft and host work cost as much again (SmolLM2 on an H200: 1.25 against 1.53
+        ms a pass, 2.4 ms a round)."""
+        bar = (1 - MIN_SAVING) * (self.overhead_seconds + self.seconds[-1])
+        chosen = self.chosen_overhead()
+        return [w for w, sec in zip(self.widths[:-1], self.seconds) if chosen + sec <= bar] + self.widths[-1:]
 
     def best_width(self, expected: Tensor) -> int:
         """expected [q_max]: tokens a round yields (summed over rows) when it verifies q = 1..q_max
         tokens per row -> the candidate width q <= q_max with the most tokens per second. Only
         measured widths: their cost is known, not interpolated, and each is a pass shape already
         run (with CUDA graphs, a new width would capture new graphs in the middle of decoding)."""
-        e = expected.tolist()
-        rates = {w: e[w - 1] / (self.overhead_seconds + self.seconds[self.widths.index(w)])
-                 for w in self.candidates() if w <= len(e)}
+        e, chosen = expected.tolist(), self.chosen_overhead()
+        rates = {w: e[w - 1] / (chosen + self.seconds[self.widths.index(w)]) for w in self.candidates() if w <= len(e)}
         return max(rates, key=rates.__getitem__)
 
-    def observe(self, round_seconds: float, width: int) -> None:
-        """A round that verified `width` tokens per row took `round_seconds`: what it spent besides
-        verification (the draft and its read-back, the tree, host work, the commit) updates the
-        running estimate, so that a narrower pass is not credited with savings the round's fixed
-        costs eat."""
-        if width in self.widths:
-            other = max(0.0, round_seconds - self.seconds[self.widths.index(width)])
+    def observe(self, round_seconds: float, width: int, chosen: bool) -> None:
+        """A round that verified `width` tokens per row took `round_seconds`, having read the
+        draft's confidences to choose (`chosen`) or not: what it spent besides verification (the
+        draft, the read, the tree, host work, the commit) updates that kind's running estimate, so
+        that a narrower pass is not credited with savings the round's other costs eat."""
+        if width not in self.widths:
+            return
+        other = max(0.0, round_seconds - self.seconds[self.widths.index(width)])
+        if chosen:
+            old = self.chosen_overhead_seconds
+            self.chosen_overhead_seconds = other if old is None else 0.8 * old + 0.2 * other
+        else:
             self.overhead_seconds = other if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * other
 
 
@@ -69,9 +81,11 @@ class Drafting:
     rate of drafting is τ · t_ar / t_draft. Both sides are estimated from the rounds actually run
     (medians of the last few times: a round that captures CUDA graphs is an outlier; τ over the
     last 16 draft rounds; t_ar first from `ar_first` rounds). Drafting goes on until its rate, over
-    a full window of 16 draft rounds, falls below 1 - `margin` (a noisy estimate near 1 must not
-    give up rounds that pay; judged on its first round or two, an H200 stopped drafting where it
-    paid 1.27x); then rounds skip the draft, except the last
+    a full window of 16 draft rounds and with τ taken `z` standard errors above its mean, falls
+    below 1 - `margin`: a noisy estimate near 1 must not give up rounds that pay (judged on its
+    first round or two, an H200 stopped drafting where it paid 1.27x; on a window's plain mean, it
+    stopped on chat prompts where drafting paid 1.11x, as τ's 16-round means dip); then rounds
+    skip the draft, except the last
     `retry` of every `interval` rounds, which re-estimate τ (from these alone) and t_draft:
     drafting resumes if its rate is 1 or more, else the interval doubles (up to `max_interval`: where drafting is far from
     paying, re-trying it must not cost much). The first draft after rounds without one takes their
@@ -82,6 +96,7 @@ class Drafting:
     max_interval: int = 128
     retry: int = 4
     margin: float = 0.15
+    z: float = 1.0
     ar_first: int = 3
     draft_s: deque = field(default_factory=lambda: deque(maxlen=5))
     ar_s: deque = field(default_factory=lambda: deque(maxlen=5))
@@ -101,9 +116,13 @@ class Drafting:
             return False
         return self.drafting or self.since >= self.interval - self.retry
 
-    def rate(self) -> float:
-        """Tokens per second of drafting rounds over those of rounds without a draft."""
-        return statistics.fmean(self.taus) * statistics.median(self.ar_s) / statistics.median(self.draft_s)
+    def rate(self, z: float = 0.0) -> float:
+        """Tokens per second of drafting rounds over those of rounds without a draft (τ taken `z`
+        standard errors of its mean above it)."""
+        tau = statistics.fmean(self.taus)
+        if z and len(self.taus) > 1:
+            tau += z * statistics.stdev(self.taus) / len(self.taus) ** 0.5
+        return tau * statistics.median(self.ar_s) / statistics.median(self.draft_s)
 
     def observe(self, drafted: bool, seconds: float, tau: float | None, timed: bool = True) -> None:
         """A round ran: with a draft or not, its wall time (`timed` False: not representative),
@@ -117,7 +136,7 @@ class Drafting:
         if not (self.draft_s and self.ar_s and self.taus):
             return
         if self.drafting:
-            if len(self.taus) == self.taus.maxlen and self.rate() < 1 - self.margin:
+            if len(self.taus) == self.taus.maxlen and self.rate(self.z) < 1 - self.margin:
                 self.drafting, self.since, self.interval = False, 0, self.explore
             return
         self.since += 1

@@ -153,6 +153,7 @@ class _Round:
     started: float
     drafted: bool  # False: an autoregressive round (no draft, or cost-aware decoding chose none)
     timed: bool  # its time represents a round of its kind (not a draft that took a long context first)
+    chosen: bool  # cost-aware: the host read the draft's confidences to choose the width verified
 
 
 Admit = Callable[[int], Sequence[Request]]  # rows running -> requests that join the batch now
@@ -285,8 +286,8 @@ def decode_stream(
         if rnd.drafted:  # committed on the device at launch: the host learns the counts (idle rows: 0)
             engine.settle([len(path) if run else 0 for path, run in zip(paths, rnd.running)])
         seconds = (next_started or time.perf_counter()) - rnd.started  # (the read has waited for verification)
-        if curve is not None and rnd.drafted:
-            curve.observe(seconds, rnd.width)
+        if curve is not None and rnd.drafted and rnd.timed:
+            curve.observe(seconds, rnd.width, rnd.chosen)
         if drafting is not None:
             kept = [len(new) for new, run in zip(news, rnd.running) if run]
             drafting.observe(rnd.drafted, seconds, sum(kept) / max(1, len(kept)), rnd.timed)
@@ -369,7 +370,7 @@ def decode_stream(
         bonus = walked.bonus
         read = HostCopy(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
         rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
-                     not (drafted and engine.caught_up))
+                     not (drafted and engine.caught_up), drafted and scored)
         if not drafted:  # each running row keeps its one node
             engine.commit([range(1) if run else range(0) for run in running])
         else:  # each row's path as the walk left it on the device: the next round can queue behind
