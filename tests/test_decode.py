@@ -808,8 +808,8 @@ def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, ful
 def test_drafting_pays_or_steps_aside():
     """Drafting goes on while τ · t_ar / t_draft >= 0.85, τ taken one standard error above its
     16-round mean; below, rounds skip the draft but the last four of every interval (16 rounds,
-    doubling while drafting does not pay, up to 128), and drafting resumes at 1 or more; a draft
-    that took a long context first is not timed."""
+    doubling while drafting does not pay, up to 128), and drafting resumes by the same rule, judged
+    on those four; a draft that took a long context first is not timed."""
     from dflashkit.decode.cost import Drafting
 
     def run(d: Drafting, n: int, tau: float, t_draft: float = 2.0) -> list[bool]:
