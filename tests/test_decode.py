@@ -729,6 +729,9 @@ def test_cost_curve_picks_the_best_prefix():
     assert gpu.candidates() == [1, 16]  # 1.0 + 0.1 + 1.25 <= 0.9 * 2.7
     gpu.observe(3.1, 16, chosen=True)
     assert gpu.chosen_overhead() == pytest.approx(1.4) and gpu.candidates() == [16]
+    for _ in range(30):  # contexts grew: every round costs 1 ms more, and so do choosing rounds
+        gpu.observe(3.7, 16, chosen=False)
+    assert gpu.chosen_overhead() == pytest.approx(2.4, abs=0.01) and gpu.candidates() == [16]
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation(torch.tensor([[0.0, -0.693147, -1e9]])), torch.tensor([1.0, 2.0, 2.5, 2.5]))
     # summed over rows

@@ -25,16 +25,15 @@ MIN_SAVING = 0.1  # a narrower verification pass is a candidate if its round cos
 class CostCurve:
     widths: list[int]  # verification widths measured, ascending: the only widths a round verifies
     seconds: list[float]  # one pass of that width
-    stall_seconds: float = 0.0  # measured: what reading the draft's confidences before verifying adds to a pass
+    stall_seconds: float = 0.0  # what reading the draft's confidences before verifying adds to a round
     overhead_seconds: float = 0.0  # a round's time besides verification, full pass unread (running estimate)
-    chosen_overhead_seconds: float | None = None  # the same for rounds that read the confidences to choose
+    stall_learnt: bool = False  # stall_seconds: measured on a pair of passes, or learnt from choosing rounds
 
     def chosen_overhead(self) -> float:
-        """A choosing round's time besides verification: learnt from such rounds once run (their
-        read stalls the device while the host chooses, which a pair of passes measures short of),
-        else the unread rounds' plus the measured stall."""
-        if self.chosen_overhead_seconds is not None:
-            return self.chosen_overhead_seconds
+        """A choosing round's time besides verification: the unread rounds' and the stall, which is
+        first measured on pairs of passes, then learnt from choosing rounds (their read stalls the
+        device while the host chooses, more than a pair of passes shows). Kept as a difference, it
+        follows the overhead as that drifts (longer contexts, other prompts)."""
         return self.overhead_seconds + self.stall_seconds
 
     def candidates(self) -> list[int]:
@@ -61,16 +60,18 @@ class CostCurve:
     def observe(self, round_seconds: float, width: int, chosen: bool) -> None:
         """A round that verified `width` tokens per row took `round_seconds`, having read the
         draft's confidences to choose (`chosen`) or not: what it spent besides verification (the
-        draft, the read, the tree, host work, the commit) updates that kind's running estimate, so
-        that a narrower pass is not credited with savings the round's other costs eat."""
+        draft, the read, the tree, host work, the commit) updates the running estimates, so that
+        a narrower pass is not credited with savings the round's other costs eat."""
         if width not in self.widths:
             return
         other = max(0.0, round_seconds - self.seconds[self.widths.index(width)])
-        if chosen:
-            old = self.chosen_overhead_seconds
-            self.chosen_overhead_seconds = other if old is None else 0.8 * old + 0.2 * other
+        if not chosen or not self.overhead_seconds:  # (before any unread round: the overhead less the stall)
+            base = max(0.0, other - self.stall_seconds) if chosen else other
+            self.overhead_seconds = base if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * base
         else:
-            self.overhead_seconds = other if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * other
+            extra = max(0.0, other - self.overhead_seconds)
+            self.stall_seconds = extra if not self.stall_learnt else 0.8 * self.stall_seconds + 0.2 * extra
+            self.stall_learnt = True
 
 
 @dataclass
