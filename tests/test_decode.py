@@ -539,6 +539,7 @@ def sampling_pvalues(target: Target, make_engine, method: str, cost_aware: bool 
 # ---- the real testbed (SmolLM2) ------------------------------------------------------------------
 
 N_NEW = 24
+BATCH_NEW = 16  # 3 to 8 rounds per row with the trained drafter, τ up to 7
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +559,7 @@ def smol_batch(smollm2):
     drafter = load_drafter(bundled_drafter_dir(), smollm2, dtype=torch.float32)
     prompts = [chat_ids(smollm2.tokenizer, c.messages[0]["content"]) for c in load_prompts("humaneval", limit=4)]
     assert len({p.shape[1] for p in prompts}) == 4  # ragged
-    return drafter, prompts, [greedy_reference(smollm2, p, N_NEW) for p in prompts]
+    return drafter, prompts, [greedy_reference(smollm2, p, BATCH_NEW) for p in prompts]
 
 
 def _smol_drafter(smollm2, layers=1):
@@ -578,10 +579,11 @@ def test_smollm2_greedy_identical(smollm2, smol_batch, engine):
     drafter, prompts, refs = smol_batch
     for method, budget in [("ar", None), ("dflash", None), ("ddtree", 16)]:
         d = drafter if method != "ar" else None
-        alone = generate(ENGINES[engine](smollm2, d), prompts[0], max_new_tokens=N_NEW, method=method, budget=budget)
-        batch = generate_batch(ENGINES[engine](smollm2, d), prompts, max_new_tokens=N_NEW, method=method, budget=budget)
-        assert alone.tokens == refs[0][:N_NEW], method
-        assert [g.tokens for g in batch] == [r[:N_NEW] for r in refs], method
+        alone = generate(ENGINES[engine](smollm2, d), prompts[0], max_new_tokens=BATCH_NEW, method=method, budget=budget)
+        batch = generate_batch(ENGINES[engine](smollm2, d), prompts, max_new_tokens=BATCH_NEW, method=method,
+                               budget=budget)
+        assert alone.tokens == refs[0], method
+        assert [g.tokens for g in batch] == refs, method
         assert batch[0].accept_lengths == alone.accept_lengths
         if method != "ar":
             assert min(g.tau for g in batch) > 1.5, method
@@ -593,14 +595,15 @@ def test_smollm2_batch_sampling_per_row_seeded(smollm2, smol_batch):
     they follow the target's own distribution), another batch reproduces the seeded rows, and
     every emitted token lies in the target's top-p nucleus at its position."""
     drafter, prompts, _ = smol_batch
-    prompts, n, temp, top_p = prompts[:3], 12, 0.7, 0.8
-    samp = [Sampling(temp, top_p, seed=s) for s in (11, 12, 13)]
+    prompts, n, temp, top_p = [prompts[0], prompts[2]], 12, 0.7, 0.8
+    samp = [Sampling(temp, top_p, seed=s) for s in (11, 13)]
     a = generate_batch(Engine(smollm2, drafter), prompts, method="dflash", max_new_tokens=n, sampling=samp)
     for p, s, g in zip(prompts, samp, a):
         assert g.tokens == generate(Engine(smollm2, drafter), p, method="dflash", max_new_tokens=n, sampling=s).tokens
-    b = generate_batch(Engine(smollm2, drafter), [prompts[2], prompts[0]], method="ddtree", budget=8, max_new_tokens=n,
-                       sampling=[samp[2], Sampling(temp, top_p, seed=99)])
-    assert b[0].tokens == a[2].tokens and b[1].tokens != a[0].tokens  # DDTree draws what DFlash draws: the target's
+    # the second row's prompt and seed, now in the first row
+    b = generate_batch(Engine(smollm2, drafter), [prompts[1], prompts[0]], method="ddtree", budget=8, max_new_tokens=n,
+                       sampling=[samp[1], Sampling(temp, top_p, seed=99)])
+    assert b[0].tokens == a[1].tokens and b[1].tokens != a[0].tokens  # DDTree draws what DFlash draws: the target's
     assert sum(sum(g.accept_lengths) - g.rounds for g in a) > 0, "drafts must be accepted under sampling too"
     for p, g in zip(prompts, a):
         seq = torch.cat([p, torch.tensor([g.tokens])], 1)
@@ -645,8 +648,8 @@ def test_reference_format_drafter_loads_and_runs(smollm2, smol_case, tmp_path):
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
     drafter = load_drafter(tmp_path, smollm2, dtype=torch.float32)
     assert drafter.config.target_layer_ids == c.target_layer_ids and drafter.config.num_hidden_layers == 2
-    g = generate(Engine(smollm2, drafter), ids, max_new_tokens=16, method="dflash")
-    assert g.tokens == ref[:16] and g.rounds >= 1
+    g = generate(Engine(smollm2, drafter), ids, max_new_tokens=8, method="dflash")  # (untrained: about a round a token)
+    assert g.tokens == ref[:8] and g.rounds >= 1
 
 
 @pytest.mark.slow

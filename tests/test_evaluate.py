@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -104,6 +105,9 @@ def test_offline_tau_equals_online_tiny_trained():
 # ---- the real testbed, through the CLI --------------------------------------------------------
 
 
+SMOL_NEW = 16  # answer tokens per HumanEval prompt: about 7 rounds of the trained drafter each
+
+
 @pytest.fixture(scope="module")
 def smol_eval_setup(smollm2, tmp_path_factory):
     """The bundled trained SmolLM2 drafter (reference format, bf16 on disk) and a float32 feature
@@ -122,7 +126,7 @@ def smol_eval_setup(smollm2, tmp_path_factory):
     samples = []
     for conv in load_prompts("humaneval", limit=2):
         ids = prompt_ids(tok, conv.messages)
-        ans = generate(Engine(smollm2), torch.tensor([ids]), max_new_tokens=24, method="ar", stop_ids=stops).tokens
+        ans = generate(Engine(smollm2), torch.tensor([ids]), max_new_tokens=SMOL_NEW, method="ar", stop_ids=stops).tokens
         samples.append(TokenizedSample(conv.id, ids + ans, [0] * len(ids) + [1] * len(ans)))
     extract_features(smollm2, samples, load_config(root / "ref").target_layer_ids, root / "feats", dtype="float32")
     return root
@@ -160,7 +164,8 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
     replay of the cached regenerated answers (previous test)."""
     root = smol_eval_setup
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--prompts", "humaneval", "--limit", "2",
-               "--max-new-tokens", "24", "--budgets", "4", "--engine", "hf", "--out", str(root / "on"), "target.device=cpu"])
+               "--max-new-tokens", str(SMOL_NEW), "--budgets", "4", "--engine", "hf", "--out", str(root / "on"),
+               "target.device=cpu"])
     assert rc == 0, capsys.readouterr().err
     on = json.loads((root / "on" / "report.json").read_text())
     off_dir = root / "off"
@@ -178,10 +183,16 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
 
 
 @pytest.mark.slow
-def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys):
+def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys, monkeypatch):
     """By default the CLI evaluates suites, each at its own answer length, on the default engine
     (on a CPU in float32: the static runner with packed weights); every greedy output identical
     to autoregressive decoding (no parting to explain)."""
+    import dflashkit.data.prompts as prompts_mod
+
+    # Shorter answers than the suites' 128 tokens, and unequal ones, so that each suite's own shows.
+    lengths = {"math": 24, "multiturn": 16}
+    suites = tuple(replace(s, max_new_tokens=lengths.get(s.name, s.max_new_tokens)) for s in prompts_mod.EVAL_SUITES)
+    monkeypatch.setattr(prompts_mod, "EVAL_SUITES", suites)
     root = smol_eval_setup
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
                "--methods", "dflash", "--out", str(root / "suites"), "target.device=cpu",
@@ -190,6 +201,8 @@ def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys):
     rep = json.loads((root / "suites" / "report.json").read_text())
     assert list(rep["suites"]) == ["math", "multiturn"] and rep["prompts"] == 2
     assert [r["id"] for r in rep["per_prompt"]] == ["math-01", "multiturn-01"]
+    assert {name: s["max_new_tokens"] for name, s in rep["suites"].items()} == lengths
+    assert all(r["ar_tokens"] <= lengths[r["suite"]] for r in rep["per_prompt"])
     h = rep["headline"]["mine"]["dflash"]
     assert h["mean_tau"] > 1.3 and h["worst_suite"] in ("math", "multiturn")
     assert rep["drafters"]["mine"]["methods"]["dflash"]["identical"] is True

@@ -84,9 +84,10 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_target(tmp_path_factory.mktemp("tiny") / "model", num_layers=6, hidden=64)
 
 
-def test_extract_kill_and_resume(tiny_dir, tmp_path):
+def test_extract_kill_and_resume(tiny_dir, tmp_path, capsys):
     """Killed (deterministically, by the process itself) between writing shard 2's JSON under its
-    temporary name and renaming it: the resumed run removes the temp file and redoes shard 2."""
+    temporary name and renaming it: the resumed run removes the temp file and redoes shard 2.
+    (The resumed run in this process: a CLI process costs seconds of imports.)"""
     samples = random_samples(120, lo=24, hi=64)
     tok_file = tmp_path / "tok.jsonl"
     tok_file.write_text("".join(json.dumps(s.__dict__) + "\n" for s in samples))
@@ -103,8 +104,7 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path):
     assert not (out / "manifest.json").exists() and ref["num_shards"] > 3
     with pytest.raises(FileNotFoundError, match="unfinished"):
         FeatureCache(out)
-    res = run_cli(*args)
-    assert res.returncode == 0, res.stderr
+    assert cli_main(args) == 0, capsys.readouterr().err
     manifest = json.loads((out / "manifest.json").read_text())
     # Same shards, byte for byte, as the uninterrupted run; no stray temp files.
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in ref["shards"]]
@@ -120,12 +120,13 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path):
         extract_features(target, changed, [1, 3], out, batch_size=4, shard_size=200)
 
 
-def test_extract_refuses_token_ids_outside_the_vocabulary(tiny_dir, tmp_path):
+def test_extract_refuses_token_ids_outside_the_vocabulary(tiny_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "a", "input_ids": [5, -3, 7], "loss_mask": [0, 1, 1]}) + "\n")
-    res = run_cli("extract", "--input", str(bad), "--out", str(tmp_path / "f"), f"target.path={tiny_dir}",
-                  "drafter.num_taps=2")
-    assert res.returncode == 1 and "sample 'a': token id -3 is outside the target's vocabulary" in res.stderr, res.stderr
+    rc = cli_main(["extract", "--input", str(bad), "--out", str(tmp_path / "f"), f"target.path={tiny_dir}",
+                   "drafter.num_taps=2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "sample 'a': token id -3 is outside the target's vocabulary" in err, err
     assert not (tmp_path / "f" / "settings.json").exists()
 
 

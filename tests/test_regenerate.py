@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from datahelpers import live_server, one_thread, run_cli, save_tiny_target, start_cli, wait_until  # noqa: F401
+from datahelpers import live_server, one_thread, save_tiny_target, start_cli, wait_until  # noqa: F401
+from dflashkit.cli import main as cli_main
 from dflashkit.data.chat import load_tokenized, prompt_ids, tokenize_file
 from dflashkit.data.prompts import Conversation, load_prompts
 from dflashkit.data.regenerate import (GenerationParams, RequestFailed, post_with_retries, regenerate_http,
@@ -45,9 +46,9 @@ def records(path) -> dict[str, dict]:
     return {r["id"]: r for r in lines}
 
 
-def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path):
+def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path, capsys):
     convs = load_prompts(prompts_file)
-    params = GenerationParams(max_new_tokens=48)
+    params = GenerationParams(max_new_tokens=24)  # (at 16 some of the random target's answers are blank)
     ref = tmp_path / "ref.jsonl"
     stats = regenerate_local(load_target(tiny_dir), convs, ref, params, batch_size=4)
     assert stats.written == 40 and stats.completion_tokens > 0
@@ -56,12 +57,12 @@ def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path):
     target = load_target(tiny_dir)  # the answers are the target's own greedy continuations
     for r in list(want.values())[:3]:
         x = torch.tensor([prompt_ids(target.tokenizer, r["messages"][:-1])])
-        own = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False)[0, x.shape[1]:]
+        own = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False)[0, x.shape[1]:]
         assert r["completion_ids"] == own[:len(r["completion_ids"])].tolist()
 
     out = tmp_path / "out.jsonl"
     args = ["regenerate", "--out", str(out), f"target.path={tiny_dir}", f"data.prompts={prompts_file}",
-            "data.max_new_tokens=48", "data.batch_size=4"]
+            "data.max_new_tokens=24", "data.batch_size=4"]
     proc = start_cli(*args)
     try:
         assert wait_until(lambda: out.exists() and out.read_bytes().count(b"\n") >= 6, proc), proc.stdout.read()
@@ -73,9 +74,8 @@ def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path):
     assert 6 <= done < 40, "the run was not interrupted mid-way"
     with open(out, "ab") as f:  # as if the kill had cut a write in half
         f.write(b'{"id": "q39", "messages": [{"ro')
-    res = run_cli(*args)
-    assert res.returncode == 0, res.stderr
-    assert f"{40 - done} answers written, {done} already there" in res.stdout
+    assert cli_main(args) == 0, capsys.readouterr().err  # the resumed run in this process: no second CLI start-up
+    assert f"{40 - done} answers written, {done} already there" in capsys.readouterr().out
     assert records(out) == want  # greedy: exactly what the uninterrupted run wrote
 
     with pytest.raises(ValueError, match=f"{out}:1: written with generation params"):
@@ -100,7 +100,7 @@ def failing_server():
 @pytest.mark.slow
 def test_http_backend_with_failing_server(failing_server, smollm2, tmp_path):
     convs = [Conversation(f"h{i}", [{"role": "user", "content": q}], "test") for i, q in enumerate(QUESTIONS)]
-    params = GenerationParams(max_new_tokens=8)
+    params = GenerationParams(max_new_tokens=4)
     out = tmp_path / "http.jsonl"
     # No retries: every 3rd request fails and is reported, nothing is written for it.
     first = regenerate_http(failing_server, convs, out, params, concurrency=3, retries=0)
@@ -158,15 +158,18 @@ def test_http_read_timeouts_are_not_retried_and_retries_are_counted(tmp_path, mo
     assert stats.retries == 5 and stats.written == 0
 
 
-def test_cli_counts_malformed_prompt_lines_and_takes_overrides_after_options(tiny_dir, tmp_path):
+def test_cli_counts_malformed_prompt_lines_and_takes_overrides_after_options(tiny_dir, tmp_path, capsys, caplog):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "Say hi."}\n{not json\n{"id": "b", "prompt": "Name a fruit."}\n')
     out = tmp_path / "o.jsonl"
     # Overrides before and after the options.
-    res = run_cli("regenerate", f"target.path={tiny_dir}", "--out", str(out), f"data.prompts={prompts}",
-                  "data.max_new_tokens=2", "target.device=cpu")
-    assert res.returncode == 0, res.stderr
-    assert "2 answers written" in res.stdout and "1 malformed prompt records skipped" in res.stdout
-    assert f"{prompts}:2: invalid JSON" in res.stdout
-    typo = run_cli("regenerate", "--out", str(out), f"data.prompts={tmp_path / 'p.jsnol'}", f"target.path={tiny_dir}")
-    assert typo.returncode == 1 and "p.jsnol: no such prompt file" in typo.stderr and "Traceback" not in typo.stderr
+    rc = cli_main(["regenerate", f"target.path={tiny_dir}", "--out", str(out), f"data.prompts={prompts}",
+                   "data.max_new_tokens=2", "target.device=cpu"])
+    res = capsys.readouterr()
+    assert rc == 0, res.err
+    assert "2 answers written" in res.out and "1 malformed prompt records skipped" in res.out
+    assert f"{prompts}:2: invalid JSON" in res.out
+    rc = cli_main(["regenerate", "--out", str(out), f"data.prompts={tmp_path / 'p.jsnol'}", f"target.path={tiny_dir}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "p.jsnol: no such prompt file" in err
+    assert "Traceback" not in err + caplog.text  # (in this process the log goes to caplog, not to stderr)

@@ -164,7 +164,7 @@ def test_time_budget_fits_the_schedule_to_the_steps_that_fit(tmp_path):
     """With train.time_budget_s the run stops near the budget and the cosine ends at that step."""
     from train_job import run_job
 
-    out = run_job(str(tmp_path / "b"), ["train.max_steps=null", "train.time_budget_s=6", "train.eval_every=1000",
+    out = run_job(str(tmp_path / "b"), ["train.max_steps=null", "train.time_budget_s=3", "train.eval_every=1000",
                                          "train.save_every=1000"], sleep=0.05)
     steps = losses(out)
     last = max(steps)
@@ -247,22 +247,25 @@ def tiny_cli_data(tmp_path_factory):
     return target, root / "tok.jsonl"
 
 
-def _train_cli(target, data, out, *extra):
-    from datahelpers import run_cli
+def _train_cli(target, data, out, *extra) -> int:
+    """`dflashkit train` in this process (a CLI process costs seconds of imports): its exit status."""
+    from dflashkit.cli import main
 
-    return run_cli("train", f"target.path={target}", f"data.tokenized={data}", f"train.output_dir={out}",
-                   "train.max_steps=2", "train.batch_size=2", "train.anchors_per_seq=8", "train.eval_samples=2",
-                   "train.eval_every=1", "train.tensorboard=false", "drafter.num_layers=1", "drafter.num_taps=2",
-                   "target.device=cpu", *extra)
+    return main(["train", f"target.path={target}", f"data.tokenized={data}", f"train.output_dir={out}",
+                 "train.max_steps=2", "train.batch_size=2", "train.anchors_per_seq=8", "train.eval_samples=2",
+                 "train.eval_every=1", "train.tensorboard=false", "drafter.num_layers=1", "drafter.num_taps=2",
+                 "target.device=cpu", *extra])
 
 
-def test_cli_refuses_a_stop_token_as_mask_and_a_diverging_run_exits_nonzero(tiny_cli_data, tmp_path):
+def test_cli_refuses_a_stop_token_as_mask_and_a_diverging_run_exits_nonzero(tiny_cli_data, tmp_path, capsys, caplog):
     target, data = tiny_cli_data
-    r = _train_cli(target, data, tmp_path / "mask", "drafter.mask_token_id=2")
-    assert r.returncode == 1 and "mask_token_id 2 is a BOS/EOS/PAD/stop token" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "mask" / "final").exists()
-    r = _train_cli(target, data, tmp_path / "nan", "train.lr=1e30")
-    assert r.returncode == 1 and "training diverged at step 1" in r.stderr, r.stderr
+    rc = _train_cli(target, data, tmp_path / "mask", "drafter.mask_token_id=2")
+    err = capsys.readouterr().err
+    assert rc == 1 and "mask_token_id 2 is a BOS/EOS/PAD/stop token" in err, err
+    assert "Traceback" not in err + caplog.text and not (tmp_path / "mask" / "final").exists()
+    rc = _train_cli(target, data, tmp_path / "nan", "train.lr=1e30")
+    err = capsys.readouterr().err
+    assert rc == 1 and "training diverged at step 1" in err, err
     assert not (tmp_path / "nan" / "best").exists() and not (tmp_path / "nan" / "final").exists()
 
 
@@ -272,8 +275,8 @@ def test_rounds_replayed_on_probes_equal_online_dflash(smollm2, tmp_path):
     that training replays on them give, in fp32, exactly the τ of online DFlash decoding of those
     prompts; the mean acceptance over anchors (tau_sim) is a different, larger number."""
     from dflashkit.config import load_config
+    from dflashkit.data.chat import tokenize_conversation
     from dflashkit.data.prompts import load_suite
-    from dflashkit.data.regenerate import probe_samples
     from dflashkit.decode.loop import generate, make_engine
     from dflashkit.demo import bundled_drafter_dir
     from dflashkit.evaluate import eval_prompts
@@ -281,18 +284,21 @@ def test_rounds_replayed_on_probes_equal_online_dflash(smollm2, tmp_path):
     from dflashkit.vocab import stop_token_ids
 
     prompts = tmp_path / "chat.jsonl"  # what a user would serve: probes from a prompt file (train.probes)
-    prompts.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in load_suite("chat", 3)))
-    samples = probe_samples(smollm2, load_suite("code", 10), 16)  # a small training set (2 held out)
+    prompts.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in load_suite("chat", 2)))
+    # A small training set (a fifth held out: 1), short: at lr 1e-12 what it holds does not matter.
+    chats = [[{"role": "user", "content": f"Add {i} and {i + 1}."}, {"role": "assistant", "content": f"It is {2 * i + 1}."}]
+             for i in range(5)]
+    samples = [tokenize_conversation(smollm2.tokenizer, c, max_length=128, id=str(i)) for i, c in enumerate(chats)]
     cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}", f"drafter.init_from={bundled_drafter_dir()}",
                              "train.max_steps=1", "train.lr=1e-12", "train.batch_size=2", "train.micro_batch_size=2",
-                             "train.eval_every=1", "train.eval_samples=2", "train.tensorboard=false", "target.device=cpu",
-                             f"train.probes={prompts}", "data.max_new_tokens=40"])
+                             "train.eval_every=1", "train.eval_samples=1", "train.tensorboard=false", "target.device=cpu",
+                             f"train.probes={prompts}", "data.max_new_tokens=16"])
     run = train(cfg, target=smollm2, samples=samples)
     best = json.loads((run / "best.json").read_text())
     drafter = load_drafter(run / "best", smollm2)
     stop = stop_token_ids(smollm2.tokenizer, smollm2.model.generation_config)
-    taus = [t for p in eval_prompts(load_suite("chat", 3), smollm2.tokenizer)
-            for t in generate(make_engine(smollm2, drafter, "hf"), p.ids, max_new_tokens=40, method="dflash",
+    taus = [t for p in eval_prompts(load_suite("chat", 2), smollm2.tokenizer)
+            for t in generate(make_engine(smollm2, drafter, "hf"), p.ids, max_new_tokens=16, method="dflash",
                               stop_ids=stop).accept_lengths]
     online = sum(taus) / len(taus)
     assert online > 1.2  # the bundled drafter: rounds of several tokens, not a trivial τ = 1
