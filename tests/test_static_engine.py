@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
@@ -359,3 +360,38 @@ def test_few_query_attention_equals_sdpa():
     dmask[..., 0] = 0.0  # every query sees a key
     want = torch.nn.functional.scaled_dot_product_attention(qh, k[:1], v[:1], attn_mask=dmask, enable_gqa=True)
     torch.testing.assert_close(attend_heads(qh, k[:1], v[:1], dmask), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_an_engine_dropped_earlier_is_not_collected_inside_a_capture(monkeypatch):
+    """An engine dropped while another captures its graphs (an evaluation builds engines per
+    suite): its graphs, held in reference cycles, wait for the cyclic collector, which here is
+    made to run inside the capture if it may (destroying a graph there invalidates the capture).
+    The capture succeeds and the new engine decodes the target's own greedy tokens."""
+    import gc
+
+    from test_decode import greedy_reference
+
+    target = make_tiny_target()
+    target.model.cuda()
+    drafter = make_tiny_drafter(target).cuda()
+    prompt = torch.arange(3, 20, device="cuda")
+    ref = greedy_reference(target, prompt[None], 12)
+    old = [static_engine(target, drafter, cuda_graphs=True)]
+    generate(old[0], prompt, max_new_tokens=12, method="dflash")
+    begin, thresholds = torch.cuda.CUDAGraph.capture_begin, gc.get_threshold()
+
+    def capture_begin(graph, *a, **kw):
+        begin(graph, *a, **kw)
+        if old:
+            old.clear()  # the last reference: the engine is now garbage, in cycles
+            gc.set_threshold(1, 1, 1)  # the collector runs at the next allocations, if enabled
+            try:
+                _ = [[] for _ in range(100)]
+            finally:
+                gc.set_threshold(*thresholds)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    new = static_engine(target, drafter, cuda_graphs=True)
+    assert generate(new, prompt, max_new_tokens=12, method="dflash").tokens == ref
+    assert not old

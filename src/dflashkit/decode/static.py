@@ -22,6 +22,8 @@ Qwen3-Next's fused linear-layer projections are mapped once onto Qwen3.5's layou
 from __future__ import annotations
 
 import copy
+import gc
+from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -353,6 +355,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+@contextmanager
+def no_collection():
+    """Python's cyclic garbage collector paused: an engine dropped earlier (its graphs held in
+    reference cycles through bound methods) must not be collected inside a capture, where
+    destroying a CUDA graph is not permitted and invalidates the capture (seen on an H200: an
+    evaluation that builds engines per suite failed at random). PyTorch no longer collects
+    before a capture by default."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class Graphs:
     """Replays `fn` from CUDA graphs captured once per call signature (input shapes and plain
     arguments); eager off CUDA. Outputs live in the graph's memory and are valid until the next
@@ -399,7 +417,7 @@ class Graphs:
                 owner = self.shared if isinstance(self.shared, Graphs) else self
                 if self.shared and owner.pool is None:
                     owner.pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=owner.pool):
+                with no_collection(), torch.cuda.graph(graph, pool=owner.pool):
                     out = call()
             for t, v in zip(self.preserve(), kept):
                 t.copy_(v)
