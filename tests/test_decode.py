@@ -700,6 +700,31 @@ def test_serve_speculative_with_openai_client(smollm2, tmp_path):
         assert sampled.choices[0].text and sampled.usage.model_dump()["rounds"] >= 1
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_a_bf16_drafter_over_an_fp32_target_is_lossless(tiny_target, engine):
+    """A drafter that runs in bf16 over an fp32 target (what `make_engine` sets up on a CPU with
+    bf16 matrix units, from a copy: the caller's drafter stays fp32): greedy outputs equal the
+    target's own, ragged batch, both methods; its drafts are the fp32 drafter's to bf16 rounding."""
+    import copy
+
+    from dflashkit.decode.loop import bf16_drafting, make_engine
+
+    drafter = make_tiny_drafter(tiny_target)
+    half = copy.deepcopy(drafter).to(torch.bfloat16)
+    prompts = ragged_prompts(8, (15, 9, 21))
+    refs = [greedy_reference(tiny_target, p, 20) for p in prompts]
+    for method, budget in [("dflash", None), ("ddtree", 12)]:
+        gens = generate_batch(ENGINES[engine](tiny_target, half), prompts, max_new_tokens=20, method=method, budget=budget)
+        assert [g.tokens for g in gens] == refs, method
+    full, low = ENGINES[engine](tiny_target, drafter), ENGINES[engine](tiny_target, half)
+    drafts = [e.draft(e.prefill([p[0] for p in prompts], capacity=64).argmax(-1)).logits for e in (full, low)]
+    assert drafts[1].dtype == torch.float32 and low.draft_dtype == torch.bfloat16
+    assert (drafts[0] - drafts[1]).abs().max() < 0.02 * drafts[0].abs().max()
+    auto = make_engine(tiny_target, drafter)
+    assert auto.draft_dtype == (torch.bfloat16 if bf16_drafting(tiny_target) else torch.float32)
+    assert next(drafter.parameters()).dtype == torch.float32
+
+
 # ---- cost-aware drafting ---------------------------------------------------------------------------
 
 

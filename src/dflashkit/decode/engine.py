@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -186,6 +187,15 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 
 
+def head_in(target: Target, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    """The target's LM head with its weight copied to `dtype` (computed there, logits returned in
+    the target's dtype): the head of a drafter that runs in `dtype`."""
+    head = target.model.get_output_embeddings()
+    w = head.weight.detach().to(dtype)
+    b = None if head.bias is None else head.bias.detach().to(dtype)
+    return lambda hidden: target.lm_head(hidden, lambda x: F.linear(x.to(dtype), w, b).to(target.dtype))
+
+
 class Engine:
     """b sequences of one target (and drafter). Lengths are kept on the host too (exact, or a
     round late with an upper bound, `KVCache.bound`), so a round needs one device-to-host
@@ -199,6 +209,10 @@ class Engine:
         self.long_draft_step = self._draft_step  # the same over a small context longer than a block (`small_pass`)
         self.draft_logits = self._draft_logits  # and may compile this part of it
         self.lm_head = target.lm_head  # hidden [..., H] -> logits; the static engine may pack its weight
+        # A drafter may run in another dtype than the target (bf16 on a CPU with bf16 matrix units,
+        # `make_engine`): its inputs are cast, and its LM head is a copy of the target's in its dtype.
+        self.draft_dtype = target.dtype if drafter is None else next(drafter.parameters()).dtype
+        self.draft_head = None if self.draft_dtype == target.dtype else head_in(target, self.draft_dtype)
         self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
         # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
         # CUDA graphs, every new batch size would capture new graphs.
@@ -274,8 +288,12 @@ class Engine:
         return self.lm_head(last)
 
     def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
-        h = draft_step(self.drafter, self.target.embed, self.dcache, feats, bonus, ctx_start, start, n)
-        return self.lm_head(h[:, 1:])
+        h = draft_step(self.drafter, self._draft_embed, self.dcache, feats.to(self.draft_dtype), bonus, ctx_start,
+                       start, n)
+        return (self.draft_head or self.lm_head)(h[:, 1:])
+
+    def _draft_embed(self, ids: Tensor) -> Tensor:
+        return self.target.embed(ids).to(self.draft_dtype)  # (the same tensor where the dtypes agree)
 
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
                     budget: int | None, top_k: int, scored: bool) -> Draft:
