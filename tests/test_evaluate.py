@@ -185,7 +185,8 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
 @pytest.mark.slow
 def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys, monkeypatch):
     """By default the CLI evaluates suites, each at its own answer length, on the default engine
-    (on a CPU in float32: the static runner with packed weights); every greedy output identical
+    (on a CPU in float32: the static runner with packed weights, the drafter in bf16 where the
+    CPU has bf16 matrix units); every greedy output identical
     to autoregressive decoding (no parting to explain)."""
     import dflashkit.data.prompts as prompts_mod
 
