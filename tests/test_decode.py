@@ -729,7 +729,7 @@ def test_a_bf16_drafter_over_an_fp32_target_is_lossless(tiny_target, engine):
 
 
 def test_cost_curve_picks_the_best_prefix():
-    from dflashkit.decode.cost import CostCurve, tree_expectation
+    from dflashkit.decode.cost import TRUST, CostCurve, tree_expectation
 
     conf = torch.tensor([[0.9, 0.8, 0.1, 0.1]])  # one row: slots 1-2 likely accepted, 3-4 not
     exp = tree_expectation(conf.log().cumsum(1))  # a chain's scores: running sums of its slots' log-probabilities
@@ -740,7 +740,7 @@ def test_cost_curve_picks_the_best_prefix():
     assert CostCurve([1, 3, 5], [1.0, 1.4, 1.8]).best_width(exp) == 3  # slots 1-2 pay, 3-4 do not
     assert CostCurve([1, 5], [1.0, 1.8]).best_width(exp) == 5  # only measured widths: 3 is not one
     steep.observe(12.0, 1, chosen=True)  # a round of width 1 took 12 s: 11 s of it were not verification
-    assert steep.chosen_overhead() == 11.0 and steep.best_width(exp) == 5  # the fixed cost makes width pay
+    assert steep.overhead_seconds == 11.0 and steep.best_width(exp) == 5  # the fixed cost makes width pay
     # a width is a candidate only if its round saves >= 10 % of a full one (else: decide nothing, as fixed)
     assert CostCurve([1, 2, 4, 8], [0.95, 0.96, 0.98, 1.0]).candidates() == [8]
     assert CostCurve([1, 2, 4, 8], [0.5, 0.6, 0.95, 1.0]).candidates() == [1, 2, 8]
@@ -751,15 +751,28 @@ def test_cost_curve_picks_the_best_prefix():
     assert gpu.candidates() == [1, 16]
     gpu.observe(2.36, 16, chosen=False)
     assert gpu.candidates() == [16] and gpu.best_width(torch.ones(16)) == 16
-    # ... and what choosing rounds cost once run: a read that stalls more than measured
+    # ... and what choosing rounds of each width cost once run: here a read that stalls more than
+    # measured, learnt from rounds of any width until a width has its own
     gpu = CostCurve([1, 16], [1.25, 1.70], stall_seconds=0.1)
     gpu.observe(2.7, 16, chosen=False)
     assert gpu.candidates() == [1, 16]  # 1.0 + 0.1 + 1.25 <= 0.9 * 2.7
-    gpu.observe(3.1, 16, chosen=True)
-    assert gpu.chosen_overhead() == pytest.approx(1.4) and gpu.candidates() == [16]
+    for _ in range(TRUST):
+        gpu.observe(3.1, 16, chosen=True)
+    assert gpu.chosen_seconds(1) == pytest.approx(1.0 + 0.4 + 1.25) and gpu.candidates() == [16]
     for _ in range(30):  # contexts grew: every round costs 1 ms more, and so do choosing rounds
         gpu.observe(3.7, 16, chosen=False)
-    assert gpu.chosen_overhead() == pytest.approx(2.4, abs=0.01) and gpu.candidates() == [16]
+    assert gpu.chosen_seconds(1) == pytest.approx(2.0 + 0.4 + 1.25, abs=0.01) and gpu.candidates() == [16]
+    # A CPU runs no round unread: the first choosing round sets the overhead, later ones correct
+    # each width's cost, up or down, on their own (a short pass runs slower in a round than back to back).
+    cpu = CostCurve([1, 4, 16], [50.0, 53.0, 80.0])
+    cpu.observe(53.0 + 50.0, 4, chosen=True)  # a first round slower than the next ones: overhead 50
+    for _ in range(TRUST):
+        cpu.observe(53.0 + 10.0 + 20.0, 4, chosen=True)  # 10 more than measured, and 20 of overhead
+        cpu.observe(50.0 + 20.0, 1, chosen=True)  # as measured
+    assert cpu.chosen_seconds(4) == pytest.approx(83.0) and cpu.chosen_seconds(1) == pytest.approx(70.0)
+    assert cpu.chosen_seconds(16) == pytest.approx(50.0 + 80.0 - 30.0 + 5.0)  # (the median of the pooled corrections)
+    chain = tree_expectation(torch.tensor([[0.9, 0.8, 0.5] + [0.1] * 12]).log().cumsum(1))
+    assert cpu.best_width(chain) == 4  # 2.98 tokens in 83 s, against 1 in 70 and 3.02 in 105
     # a tree's expectation: the sum of its first m nodes' path probabilities, plus the target's token
     torch.testing.assert_close(tree_expectation(torch.tensor([[0.0, -0.693147, -1e9]])), torch.tensor([1.0, 2.0, 2.5, 2.5]))
     # summed over rows

@@ -7,6 +7,7 @@ import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
 from dflashkit.decode.loop import generate
+from dflashkit.decode.packed import PackedLinear
 from dflashkit.decode.static import attend, folded_mask, static_engine
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import additive, attend_few, attend_heads
@@ -320,6 +321,12 @@ def test_packed_weights_decode_as_the_target():
     prompts = [torch.randint(3, 120, (n,), generator=g) for n in (12, 30, 7)]
     packed, plain = static_engine(target, drafter), static_engine(target, drafter, pack=False)
     assert packed.run.packed and packed.run.tw[0].qkv.is_mkldnn and not target.layers[0].mlp.up_proj.weight.is_mkldnn
+    # the drafter's projections too, on a copy: the caller's drafter keeps plain `nn.Linear`s
+    linears = [m for m in packed.drafter.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is PackedLinear for m in linears) and packed.drafter is not drafter
+    assert not any(type(m) is PackedLinear for m in drafter.modules())
+    drafts = [e.draft(e.prefill([prompts[1]], capacity=64).argmax(-1)).logits for e in (packed, plain)]
+    torch.testing.assert_close(drafts[0], drafts[1], rtol=1e-4, atol=1e-4)
     want = [target.model.generate(p[None], max_new_tokens=24, do_sample=False)[0, len(p):].tolist() for p in prompts]
     for method in ("ar", "dflash"):
         got = [x.tokens for x in generate_batch(packed, prompts, max_new_tokens=24, method=method)]

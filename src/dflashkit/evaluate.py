@@ -462,7 +462,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                                            "drafted_share": sum(s > 0 for s in sizes) / len(sizes)}
         # cost-aware: each method's verification curve as measured (the widths worth choosing)
         curves = {f"{m}-{bud}" if bud else m: {"batch": b, "widths": c.widths, "seconds": c.seconds,
-                                                 "stall_seconds": c.stall_seconds, "overhead_seconds": c.overhead_seconds}
+                                                 "stall_seconds": c.stall_seconds, "overhead_seconds": c.overhead_seconds,
+                                                 "chosen_round_seconds": [c.chosen_seconds(w) for w in c.widths]}
                   for (m, bud, b), (c, _) in engines[name].cost_state.items()}
         report["drafters"][name] = {"block_size": B, "methods": out, **({"cost_curves": curves} if curves else {})}
     return report

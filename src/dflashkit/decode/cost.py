@@ -13,28 +13,35 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 MIN_SAVING = 0.1  # a narrower verification pass is a candidate if its round costs <= 90 % of a full one
+TRUST = 3  # choosing rounds of a width after which their times replace the model's
 
 
 @dataclass
 class CostCurve:
     widths: list[int]  # verification widths measured, ascending: the only widths a round verifies
-    seconds: list[float]  # one pass of that width
-    stall_seconds: float = 0.0  # what reading the draft's confidences before verifying adds to a round
-    overhead_seconds: float = 0.0  # a round's time besides verification, full pass unread (running estimate)
-    stall_learnt: bool = False  # stall_seconds: measured on a pair of passes, or learnt from choosing rounds
+    seconds: list[float]  # one pass of that width, measured back to back
+    stall_seconds: float = 0.0  # measured: what reading the draft's confidences before verifying adds (a GPU's queue)
+    overhead_seconds: float = 0.0  # a round's time besides its pass, full width unread (running estimate)
+    excess: dict[int, deque] = field(default_factory=dict)  # width -> its last choosing rounds' time beyond overhead + pass
 
-    def chosen_overhead(self) -> float:
-        """A choosing round's time besides verification: the unread rounds' and the stall, which is
-        first measured on pairs of passes, then learnt from choosing rounds (their read stalls the
-        device while the host chooses, more than a pair of passes shows). Kept as a difference, it
-        follows the overhead as that drifts (longer contexts, other prompts)."""
-        return self.overhead_seconds + self.stall_seconds
+    def chosen_seconds(self, width: int) -> float:
+        """A choosing round's time at `width`: the overhead, the pass, and what such rounds took
+        beyond these: the median of this width's last rounds once `TRUST` of them ran, else of
+        every width's, else the measured stall. Learnt per width, because the error is the
+        width's own: on 2 CPU cores a pass of 4 tokens inside a round took 10 ms more than back
+        to back, one of 16 tokens 6 ms (SmolLM2). Kept as a difference, it follows the overhead
+        as that drifts (longer contexts, other prompts)."""
+        own = self.excess.get(width, ())
+        pooled = [x for d in self.excess.values() for x in d]
+        extra = _median(own) if len(own) >= TRUST else _median(pooled) if len(pooled) >= TRUST else self.stall_seconds
+        return self.overhead_seconds + self.seconds[self.widths.index(width)] + extra
 
     def candidates(self) -> list[int]:
         """The widths worth choosing: those whose choosing round costs at most (1 - MIN_SAVING) of
@@ -45,33 +52,32 @@ class CostCurve:
         round whose draft and host work cost as much again (SmolLM2 on an H200: 1.25 against 1.53
         ms a pass, 2.4 ms a round)."""
         bar = (1 - MIN_SAVING) * (self.overhead_seconds + self.seconds[-1])
-        chosen = self.chosen_overhead()
-        return [w for w, sec in zip(self.widths[:-1], self.seconds) if chosen + sec <= bar] + self.widths[-1:]
+        return [w for w in self.widths[:-1] if self.chosen_seconds(w) <= bar] + self.widths[-1:]
 
     def best_width(self, expected: Tensor) -> int:
         """expected [q_max]: tokens a round yields (summed over rows) when it verifies q = 1..q_max
         tokens per row -> the candidate width q <= q_max with the most tokens per second. Only
         measured widths: their cost is known, not interpolated, and each is a pass shape already
         run (with CUDA graphs, a new width would capture new graphs in the middle of decoding)."""
-        e, chosen = expected.tolist(), self.chosen_overhead()
-        rates = {w: e[w - 1] / (chosen + self.seconds[self.widths.index(w)]) for w in self.candidates() if w <= len(e)}
+        e = expected.tolist()
+        rates = {w: e[w - 1] / self.chosen_seconds(w) for w in self.candidates() if w <= len(e)}
         return max(rates, key=rates.__getitem__)
 
     def observe(self, round_seconds: float, width: int, chosen: bool) -> None:
         """A round that verified `width` tokens per row took `round_seconds`, having read the
-        draft's confidences to choose (`chosen`) or not: what it spent besides verification (the
-        draft, the read, the tree, host work, the commit) updates the running estimates, so that
-        a narrower pass is not credited with savings the round's other costs eat."""
+        draft's confidences to choose (`chosen`) or not: rounds run unread learn the overhead
+        (the draft, the tree, host work, the commit), choosing rounds what their width costs
+        beyond it, so that a narrower pass is not credited with savings a round does not see."""
         if width not in self.widths:
             return
-        other = max(0.0, round_seconds - self.seconds[self.widths.index(width)])
-        if not chosen or not self.overhead_seconds:  # (before any unread round: the overhead less the stall)
-            base = max(0.0, other - self.stall_seconds) if chosen else other
-            self.overhead_seconds = base if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * base
+        other = round_seconds - self.seconds[self.widths.index(width)]
+        if not chosen:
+            self.overhead_seconds = max(0.0, other) if not self.overhead_seconds else \
+                0.8 * self.overhead_seconds + 0.2 * max(0.0, other)
+        elif not self.overhead_seconds:  # no round unread yet (a CPU may never run one): this one's, less the stall
+            self.overhead_seconds = max(0.0, other - self.stall_seconds)
         else:
-            extra = max(0.0, other - self.overhead_seconds)
-            self.stall_seconds = extra if not self.stall_learnt else 0.8 * self.stall_seconds + 0.2 * extra
-            self.stall_learnt = True
+            self.excess.setdefault(width, deque(maxlen=5)).append(other - self.overhead_seconds)
 
 
 @dataclass
@@ -149,7 +155,7 @@ class Drafting:
                 self.since, self.interval = 0, min(2 * self.interval, self.max_interval)
 
 
-def _median(xs: deque) -> float:
+def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 

@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
+from dflashkit.decode.packed import lm_head
 from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step
 from dflashkit.target import Target
@@ -187,15 +187,6 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 
 
-def head_in(target: Target, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    """The target's LM head with its weight copied to `dtype` (computed there, logits returned in
-    the target's dtype): the head of a drafter that runs in `dtype`."""
-    head = target.model.get_output_embeddings()
-    w = head.weight.detach().to(dtype)
-    b = None if head.bias is None else head.bias.detach().to(dtype)
-    return lambda hidden: target.lm_head(hidden, lambda x: F.linear(x.to(dtype), w, b).to(target.dtype))
-
-
 class Engine:
     """b sequences of one target (and drafter). Lengths are kept on the host too (exact, or a
     round late with an upper bound, `KVCache.bound`), so a round needs one device-to-host
@@ -212,7 +203,7 @@ class Engine:
         # A drafter may run in another dtype than the target (bf16 on a CPU with bf16 matrix units,
         # `make_engine`): its inputs are cast, and its LM head is a copy of the target's in its dtype.
         self.draft_dtype = target.dtype if drafter is None else next(drafter.parameters()).dtype
-        self.draft_head = None if self.draft_dtype == target.dtype else head_in(target, self.draft_dtype)
+        self.draft_head = None if self.draft_dtype == target.dtype else lm_head(target, self.draft_dtype)
         self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
         # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
         # CUDA graphs, every new batch size would capture new graphs.
@@ -402,11 +393,12 @@ class Engine:
         if self.join_pass and small(rows, bucket(max(map(len, prompts)), True), self.join_pass):
             if rows not in self.stagings:
                 stage = Engine(self.target, self.drafter, self.run.twin(self.join_pass))
-                stage.lm_head, stage.small_pass, stage.geometric = self.lm_head, self.join_pass, True
+                stage.lm_head, stage.draft_head = self.lm_head, self.draft_head
+                stage.small_pass, stage.geometric = self.join_pass, True
                 self.stagings[rows] = stage
             return self.stagings[rows], [*prompts, *[prompts[-1]] * (rows - m)]
         fresh = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
-        fresh.lm_head = self.lm_head
+        fresh.lm_head, fresh.draft_head = self.lm_head, self.draft_head
         return fresh, list(prompts)
 
     def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:

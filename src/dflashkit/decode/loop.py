@@ -25,7 +25,6 @@ limit (named convention: it makes online τ equal offline τ from cached feature
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -418,9 +417,8 @@ def make_engine(target: Any, drafter: Any, kind: str = "auto") -> Engine:
     if kind == "hf" or (kind == "auto" and supported(target) is not None and "linear_attention" not in target.layer_kinds):
         return Engine(target, drafter)
     gpu = kind == "auto" and target.device.type == "cuda"
-    if kind == "auto" and drafter is not None and bf16_drafting(target):
-        drafter = copy.deepcopy(drafter).to(torch.bfloat16)
-    return static_engine(target, drafter, compile=gpu, compile_drafter=gpu)
+    bf16 = kind == "auto" and drafter is not None and bf16_drafting(target)
+    return static_engine(target, drafter, compile=gpu, compile_drafter=gpu, draft_dtype=torch.bfloat16 if bf16 else None)
 
 
 def bf16_drafting(target: Any) -> bool:

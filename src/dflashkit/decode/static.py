@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends, small
+from dflashkit.decode.packed import linear, lm_head, pack_weight, packable, packed_drafter
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
 from dflashkit.target import Target
@@ -233,41 +234,6 @@ def _fuse_rows(mods: list[nn.Module]) -> Tensor:
         mod.weight.data = buf[start:start + n]
         start += n
     return buf
-
-
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """F.linear, or oneDNN's linear for a weight packed by `pack_weight` (CPU)."""
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
-
-
-PACK_ROWS = 16  # the row count oneDNN's packed layout is chosen for (it serves any count)
-
-
-def packable(target: Target) -> bool:
-    """Whether packed weights (`pack_weight`) serve this target: fp32 on a CPU with oneDNN. There
-    MKL's GEMM with 2-16 rows (a verification pass) costs up to 2-3x its one-row time, where
-    oneDNN's packed weights cost 1.1-1.3x (SmolLM2 on 2 cores, docs/benchmarks.md)."""
-    return (target.device.type == "cpu" and target.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def pack_weight(w: Tensor | None, owner: nn.Module) -> Tensor | None:
-    """A weight [out, in] in oneDNN's blocked layout for `linear`: a copy (the module keeps its
-    own), made once and kept on `owner`, the module that holds the weight, so that every engine
-    over a target shares it (an evaluation builds several) and it lives no longer than the
-    weight. Made again if the weight was replaced or changed in place (its version counter)."""
-    if w is None:
-        return None
-    packs = owner.__dict__.setdefault("_dflashkit_packed", {})
-    ident = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
-    version = tuple(p._version for p in owner.parameters())  # a fused buffer has a counter of its own
-    if packs.get(ident, (None,))[0] != version:
-        for stale in [k for k, (v, _) in packs.items() if v != version]:
-            del packs[stale]
-        packs[ident] = (version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS))
-    return packs[ident][1]
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float, offset: bool = False) -> Tensor:
@@ -614,13 +580,15 @@ LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix, attend_few)  # what `Stat
 
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
-                  layer_ids: list[int] | None = None, pack: bool | None = None) -> Engine:
+                  layer_ids: list[int] | None = None, pack: bool | None = None,
+                  draft_dtype: torch.dtype | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
     target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
     drafter's step with its tree building. compile_drafter: torch.compile the drafter's pass (its
     layers, masks, cache writes and LM head) before capture. layer_ids: the taps whose features the
     engine keeps (default: the drafter's). pack: oneDNN's packed weights for the target's layers
-    and LM head (default: fp32 on a CPU, `packable`)."""
+    and LM head, and for a copy of the drafter's projections (default: fp32 on a CPU, `packable`).
+    draft_dtype: the drafter runs as a copy in this dtype (default: its own)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
@@ -632,11 +600,14 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     if pack is None and compile_drafter:  # Dynamo cannot trace oneDNN's packed weights (the drafter's step reads the LM head)
         pack = False
     runner = StaticRunner(target, list(layer_ids), cuda_graphs=runner_graphs, compile=compile, fuse=fuse, pack=pack)
+    if drafter is not None and (runner.packed or draft_dtype not in (None, next(drafter.parameters()).dtype)):
+        dtype = draft_dtype or next(drafter.parameters()).dtype
+        drafter = packed_drafter(drafter, dtype) if runner.packed else copy.deepcopy(drafter).to(dtype)
     engine = Engine(target, drafter, runner)
-    if runner.packed:  # the LM head too: the largest GEMM of a small model's pass
-        head = target.model.get_output_embeddings()
-        weight = pack_weight(head.weight, head)
-        engine.lm_head = lambda hidden: target.lm_head(hidden, lambda x: linear(x, weight, head.bias))
+    if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
+        engine.lm_head = lm_head(target, target.dtype, packed=True)
+        if engine.draft_head is not None:
+            engine.draft_head = lm_head(target, engine.draft_dtype, packed=True)
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     if runner_graphs and "linear_attention" not in target.layer_kinds:  # (a hybrid's prefill runs eagerly)
         engine.small_pass, engine.join_pass = SMALL_PASS_TOKENS, JOIN_PASS_TOKENS
