@@ -780,6 +780,26 @@ def test_cost_curve_picks_the_best_prefix():
                                torch.tensor([2.0, 3.5, 4.0]))
 
 
+def test_a_narrow_pass_timed_slower_than_a_wider_one_takes_the_wider_ones_time(monkeypatch):
+    """The measured curve never makes a narrow pass dearer than a wider one: a machine's slow
+    moment during the 1-token passes must not price them above 8-token passes."""
+    from types import SimpleNamespace
+
+    from dflashkit.decode import cost
+
+    clock = [0.0]
+    pass_seconds = {1: 0.171, 2: 0.090, 4: 0.095, 8: 0.123}  # 1 token met a slow moment
+
+    def verify(tokens, depths):
+        clock[0] += pass_seconds[tokens.shape[1]]
+        return torch.zeros(tokens.shape[0], tokens.shape[1], 4)
+
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock[0])
+    engine = SimpleNamespace(batch=1, target=SimpleNamespace(device=torch.device("cpu")), verify=verify)
+    curve = cost.measure(engine, [1, 2, 4, 8])
+    assert curve.seconds == pytest.approx([0.090, 0.090, 0.095, 0.123])
+
+
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_cost_aware_drafting_is_lossless(tiny_target, engine):
     """Whatever prefix the cost model keeps, greedy outputs equal the target's own, for ragged

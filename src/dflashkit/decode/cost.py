@@ -182,7 +182,11 @@ def measure(engine, widths: list[int], reps: int = 3) -> CostCurve:
             torch.cuda.synchronize()
         return (time.perf_counter() - t) / reps
 
+    # A wider pass does the narrower one's work and more: a narrow width timed above a wider one
+    # met a slow moment of the machine (a 1-token pass at 171 ms beside an 8-token one at 123 ms,
+    # 2 busy CPU cores), and takes the wider one's time.
     seconds = [timed(q, read=False) for q in widths]
+    seconds = [min(seconds[i:]) for i in range(len(seconds))]
     stall = 0.0
     if dev.type == "cuda":  # the difference of two timings: more passes than for the curve
         stall = max(0.0, timed(widths[-1], read=True, reps=10) - timed(widths[-1], read=False, reps=10))
