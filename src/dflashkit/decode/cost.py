@@ -38,9 +38,13 @@ class CostCurve:
         width's own: on 2 CPU cores a pass of 4 tokens inside a round took 10 ms more than back
         to back, one of 16 tokens 6 ms (SmolLM2). Kept as a difference, it follows the overhead
         as that drifts (longer contexts, other prompts)."""
+        extra = self.stall_seconds
         own = self.excess.get(width, ())
-        pooled = [x for d in self.excess.values() for x in d]
-        extra = _median(own) if len(own) >= TRUST else _median(pooled) if len(pooled) >= TRUST else self.stall_seconds
+        if len(own) >= TRUST:
+            extra = _median(own)
+        else:  # (pooled only here: this runs for every candidate width every round)
+            pooled = [x for d in self.excess.values() for x in d]
+            extra = _median(pooled) if len(pooled) >= TRUST else extra
         return self.overhead_seconds + self.seconds[self.widths.index(width)] + extra
 
     def candidates(self) -> list[int]:
@@ -72,8 +76,8 @@ class CostCurve:
             return
         other = round_seconds - self.seconds[self.widths.index(width)]
         if not chosen:
-            self.overhead_seconds = max(0.0, other) if not self.overhead_seconds else \
-                0.8 * self.overhead_seconds + 0.2 * max(0.0, other)
+            base = max(0.0, other)
+            self.overhead_seconds = 0.8 * self.overhead_seconds + 0.2 * base if self.overhead_seconds else base
         elif not self.overhead_seconds:  # no round unread yet (a CPU may never run one): this one's, less the stall
             self.overhead_seconds = max(0.0, other - self.stall_seconds)
         else:

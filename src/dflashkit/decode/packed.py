@@ -61,12 +61,13 @@ class PackedLinear(nn.Linear):
         return linear(x, pack_weight(self.weight, self), self.bias)
 
 
-def packed_drafter(drafter: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of `drafter` in `dtype` whose projections are `PackedLinear`s (the caller's drafter
-    stays as it is: packed weights have no backward)."""
-    out = copy.deepcopy(drafter).to(dtype)
+def drafter_copy(drafter: nn.Module, dtype: torch.dtype | None, packed: bool) -> nn.Module:
+    """A copy of `drafter` for an engine, in `dtype` (None: its own), its projections
+    `PackedLinear`s if `packed` (the caller's drafter stays as it is: packed weights have no
+    backward)."""
+    out = copy.deepcopy(drafter).to(dtype) if dtype is not None else copy.deepcopy(drafter)
     for m in out.modules():
-        if type(m) is nn.Linear:
+        if packed and type(m) is nn.Linear:
             m.__class__ = PackedLinear
     return out
 
