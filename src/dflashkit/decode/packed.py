@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 PACK_ROWS = 16  # the row count oneDNN's packed layout is chosen for (it serves any count)
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {weight: (version, packed copy)}
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LM head -> {(dtype, packed, version): (w, b)}
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
@@ -78,7 +79,13 @@ def lm_head(target: Any, dtype: torch.dtype, packed: bool = False) -> Callable[[
     head = target.model.get_output_embeddings()
     if dtype == target.dtype:
         w, b = (pack_weight(head.weight, head) if packed else head.weight), head.bias
-    else:
-        w = head.weight.detach().to(dtype)
-        w, b = (pack(w) if packed else w), None if head.bias is None else head.bias.detach().to(dtype)
+    else:  # one copy per head, dtype and layout, whatever the number of engines (an evaluation builds several)
+        copies = _COPIES.setdefault(head, {})
+        key = (dtype, packed, tuple(p._version for p in head.parameters()))
+        if key not in copies:
+            for stale in [k for k in copies if k[2] != key[2]]:  # the head changed: its old copies go
+                del copies[stale]
+            w = head.weight.detach().to(dtype)
+            copies[key] = ((pack(w) if packed else w), None if head.bias is None else head.bias.detach().to(dtype))
+        w, b = copies[key]
     return lambda hidden: target.lm_head(hidden, lambda x: linear(x.to(dtype), w, b).to(target.dtype))
