@@ -152,7 +152,7 @@ def main() -> None:
     clock.lap("load")
 
     d = cfg.data
-    convs = load_prompts(d.prompts, limit=d.limit)
+    convs = load_prompts(d.prompts, limit=d.limit, target=target)
     clock.lap("prompts")
     regen = out / "regenerated.jsonl"
     rs = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=d.max_new_tokens), batch_size=d.batch_size)

@@ -65,7 +65,8 @@ class DrafterSettings(_Section):
 
 class DataConfig(_Section):
     prompts: str = Field("builtin", description="'builtin' (2,200 prompts), 'builtin:N' (N of the same "
-                         "generator), 'humaneval', a JSONL/JSON/Parquet file or a datasets name")
+                         "generator), 'self:N' (N written by the target), 'humaneval', a JSONL/JSON/Parquet "
+                         "file, a datasets name, or several joined by '+' (self:16000+builtin:8000)")
     limit: Int | None = Field(None, ge=1)
     regenerated: str | None = Field(None, description="JSONL of target-written answers (output of `regenerate`)")
     tokenized: str | None = Field(None, description="JSONL of token ids + loss masks (output of `tokenize`)")

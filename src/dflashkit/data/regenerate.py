@@ -358,7 +358,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("regenerate needs an output file: --out PATH or data.regenerated=PATH")
     if args.concurrency < 1 or args.retries < 0 or args.timeout <= 0:
         raise ValueError("--concurrency must be >= 1, --retries >= 0 and --timeout > 0")
-    convs, problems = load_prompts_report(d.prompts, limit=d.limit)
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
@@ -366,8 +365,10 @@ def run(args: argparse.Namespace) -> int:
 
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
+        convs, problems = load_prompts_report(d.prompts, limit=d.limit, target=target)
         stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
     else:
+        convs, problems = load_prompts_report(d.prompts, limit=d.limit)
         stats = regenerate_http(args.url, convs, out, params, model=args.model, concurrency=args.concurrency,
                                 timeout=args.timeout, retries=args.retries)
     print(f"{out}: {stats.written} answers written, {stats.already_done} already there, {len(stats.failed)} failed; "

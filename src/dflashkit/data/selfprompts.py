@@ -1,0 +1,154 @@
+"""Prompts written by the target itself (`data.prompts: self:N`).
+
+The target's chat template is opened at a user turn (everything the template writes before a
+user's message) and the target samples the message, as in the Magpie method: an instruction-tuned
+model writes requests in the style and spread of those it was tuned on, which templates cannot
+imitate. Openers (the start of a message, from ``assets/self_prompts.yaml``) steer the topic per
+category; a two-turn category gets a first message, the target's greedy answer to it and a
+follow-up message. Messages still open after the sampling limit, empty or repeated ones, and any
+that come near an evaluation prompt (``near_eval``) are dropped and written again.
+
+Deterministic for a given target and seed: every message samples from its own random stream.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from dflashkit.data.chat import encode, render
+from dflashkit.data.prompts import Conversation
+
+SEED = 20261203
+ROUNDS = 8  # passes over the missing prompts before giving up (each pass writes ~1.3x what is missing)
+_SENTINEL = "\x00dflashkit-user-message\x00"
+
+
+def spec_path() -> Path:
+    return Path(str(resources.files("dflashkit") / "assets" / "self_prompts.yaml"))
+
+
+def user_turn_prefix(tokenizer: Any, messages: list[dict]) -> str:
+    """The template's text for `messages` followed by an opened user turn: what it writes before
+    a user's message (system prompt and role header included)."""
+    text = render(tokenizer, [*messages, {"role": "user", "content": _SENTINEL}])
+    if _SENTINEL not in text:
+        raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} drops the user's message; "
+                         "it cannot be opened at a user turn, so self-written prompts are not available")
+    return text[:text.index(_SENTINEL)]
+
+
+@dataclass
+class _Draft:
+    category: str
+    opener: str
+    key: str  # names the random streams of its messages
+    messages: list[dict]
+
+
+def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] | None = None, seed: int = SEED,
+                  batch_size: int | None = None, path: Path | None = None) -> list[Conversation]:
+    """`count` conversations that end with a user message written by `target`, ids
+    ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
+    batch_size: messages written at once (default 256 on a GPU, 16 on a CPU)."""
+    from dflashkit.decode.generation import Sampling
+    from dflashkit.decode.loop import generate_batch, make_engine
+    from dflashkit.vocab import stop_token_ids
+
+    path = path or spec_path()
+    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    try:
+        sampling, weights, categories = spec["sampling"], spec["weights"], spec["categories"]
+        names = list(weights)
+        openers = {c: categories[c]["openers"] for c in names}
+        turns = {c: int(categories[c].get("turns", 1)) for c in names}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected 'sampling', 'weights' and 'categories' with 'openers' for every "
+                         f"weighted category; missing {e}") from None
+    if count < 1:
+        raise ValueError(f"self:{count}: expected a positive number of prompts")
+    batch_size = batch_size or (256 if target.device.type == "cuda" else 16)
+    tok = target.tokenizer
+    stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+    engine = make_engine(target, None)
+    quota = {c: round(count * weights[c] / sum(weights.values())) for c in names}
+    quota[names[0]] += count - sum(quota.values())
+    r = random.Random(seed)
+    made: dict[str, list[list[dict]]] = {c: [] for c in names}
+    seen: set[str] = set()
+    tried = dict.fromkeys(names, 0)
+
+    def sample(prefixes: list[str], keys: list[str], greedy: bool = False) -> list[tuple[str, bool]]:
+        """(text, finished) per prefix: the target's continuation up to its end of turn."""
+        out: list[tuple[str, bool]] = []
+        limit = sampling.get("answer_tokens", 256) if greedy else sampling["max_new_tokens"]
+        for i in range(0, len(prefixes), batch_size):
+            ids = [torch.tensor(encode(tok, p)) for p in prefixes[i:i + batch_size]]
+            modes = [Sampling() if greedy else
+                     Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{seed}:{k}".encode()))
+                     for k in keys[i:i + batch_size]]
+            for g in generate_batch(engine, ids, method="ar", max_new_tokens=limit, sampling=modes, stop_ids=stops):
+                done = g.finish_reason == "stop"
+                out.append((tok.decode(g.tokens[:-1] if done else g.tokens, skip_special_tokens=True), done))
+        return out
+
+    def usable(text: str, finished: bool, conversation: str) -> bool:
+        """A finished message of 3+ words, new, and away from every evaluation prompt (then remembered)."""
+        norm = re.sub(r"\s+", " ", text.strip().lower())
+        if not finished or len(norm.split()) < 3 or "\ufffd" in text or norm in seen:
+            return False
+        if near_eval is not None and near_eval(conversation):
+            return False
+        seen.add(norm)
+        return True
+
+    bar = tqdm(total=count, desc="write prompts", unit="prompt", disable=None)
+    for _ in range(ROUNDS):
+        drafts = []
+        for c in names:
+            for _ in range(math.ceil(1.3 * (quota[c] - len(made[c])))):
+                tried[c] += 1
+                drafts.append(_Draft(c, r.choice(openers[c]), f"{c}:{tried[c]}", []))
+        if not drafts:
+            break
+        firsts = sample([user_turn_prefix(tok, []) + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
+        kept = []
+        for d, (text, done) in zip(drafts, firsts):
+            message = (d.opener + text).strip()
+            if usable(message, done, message):
+                d.messages = [{"role": "user", "content": message}]
+                kept.append(d)
+        two = [d for d in kept if turns[d.category] == 2]
+        if two:  # the target answers the first message, then writes the follow-up
+            answers = sample([render(tok, d.messages, generation_prompt=True) for d in two], [""] * len(two), greedy=True)
+            for d, (text, _) in zip(two, answers):
+                d.messages.append({"role": "assistant", "content": text.strip()})
+            follow = sample([user_turn_prefix(tok, d.messages) for d in two], [f"{d.key}:2" for d in two])
+            for d, (text, done) in zip(two, follow):
+                d.messages.append({"role": "user", "content": text.strip()})
+                if not usable(text, done, "\n".join(m["content"] for m in d.messages)):
+                    d.messages = []
+        for d in kept:
+            if d.messages and len(made[d.category]) < quota[d.category]:
+                made[d.category].append(d.messages)
+                bar.update(1)
+    bar.close()
+    short = {c: quota[c] - len(made[c]) for c in names if len(made[c]) < quota[c]}
+    if short:
+        raise RuntimeError(f"self:{count}: the target wrote too few usable prompts after {ROUNDS} rounds "
+                           f"(missing per category: {short}); check its chat template, or ask for fewer")
+    order = [c for c in names for _ in made[c]]
+    r.shuffle(order)
+    its = {c: iter(made[c]) for c in names}
+    return [Conversation(f"self-{c}-{i:05d}", next(its[c]), "self") for i, c in enumerate(order, 1)]

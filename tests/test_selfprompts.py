@@ -1,0 +1,76 @@
+"""Prompts written by the target itself (`self:N`), on the real SmolLM2 testbed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflashkit.data.chat import prompt_ids, render
+from dflashkit.data.prompts import load_prompts, near_evaluation
+from dflashkit.data.selfprompts import user_turn_prefix
+from dflashkit.decode.loop import generate, make_engine
+from dflashkit.vocab import stop_token_ids
+
+# Short messages and answers keep this quick on a CPU; the shipped spec is assets/self_prompts.yaml.
+TINY_SPEC = """
+sampling: {temperature: 1.0, top_p: 0.95, max_new_tokens: 40, answer_tokens: 24}
+weights: {chat: 2, multiturn: 1}
+categories:
+  chat: {openers: ["", "What"]}
+  multiturn: {turns: 2, openers: ["How"]}
+"""
+
+
+def test_the_prefix_is_what_the_template_writes_before_a_users_message(smollm2):
+    tok = smollm2.tokenizer
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    for messages in ([], history):
+        prefix = user_turn_prefix(tok, messages)
+        assert render(tok, [*messages, {"role": "user", "content": "Tell me a joke."}]).startswith(prefix + "Tell me a joke.")
+        assert prefix.endswith("user\n")
+
+
+def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2, tmp_path: Path, monkeypatch):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(TINY_SPEC)
+    monkeypatch.setattr("dflashkit.data.selfprompts.spec_path", lambda: spec)
+    near = near_evaluation()
+    checked: list[str] = []
+
+    def near_eval(text: str) -> bool:
+        checked.append(text)
+        return near(text)
+
+    monkeypatch.setattr("dflashkit.data.prompts.near_evaluation", lambda: near_eval)
+    convs = load_prompts("self:3+builtin:2", target=smollm2)  # sources joined by '+'
+    assert [c.source for c in convs] == ["self"] * 3 + ["builtin"] * 2
+    convs = convs[:3]
+    assert sorted(c.id.rsplit("-", 1)[0] for c in convs) == ["self-chat", "self-chat", "self-multiturn"]
+    texts = set()
+    for c in convs:
+        roles = [m["role"] for m in c.messages]
+        assert roles == (["user", "assistant", "user"] if "multiturn" in c.id else ["user"])
+        for m in c.messages[::2]:
+            assert len(m["content"].split()) >= 3 and m["content"] == m["content"].strip()
+            assert m["content"].lower() not in texts  # no repeats
+            texts.add(m["content"].lower())
+        assert "\n".join(m["content"] for m in c.messages) in checked  # every kept one was checked
+        assert not near("\n".join(m["content"] for m in c.messages))
+    mt = next(c for c in convs if "multiturn" in c.id)
+    assert mt.messages[0]["content"].startswith("How")  # the opener starts the message
+    # the middle turn is the target's own greedy answer to the first message
+    tok = smollm2.tokenizer
+    g = generate(make_engine(smollm2, None), torch.tensor(prompt_ids(tok, mt.messages[:1])), method="ar",
+                 max_new_tokens=24, stop_ids=set(stop_token_ids(tok, smollm2.model.generation_config)))
+    assert mt.messages[1]["content"] == tok.decode(g.tokens, skip_special_tokens=True).strip()
+
+
+def test_bad_self_prompt_sources_get_clear_errors(smollm2):
+    with pytest.raises(ValueError, match="written by the target"):
+        load_prompts("self:4")
+    with pytest.raises(ValueError, match="self:N with N a positive"):
+        load_prompts("self:x", target=smollm2)
+    with pytest.raises(ValueError, match="in both"):
+        load_prompts("builtin:3+builtin:3")
