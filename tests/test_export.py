@@ -115,6 +115,28 @@ def test_speculators_round_trip(drafter, tiny_target, tmp_path):
     assert torch.equal(_logits(drafter, tiny_target), _logits(back, tiny_target))
 
 
+def test_speculators_own_classes_read_the_export(drafter, tiny_target, tmp_path):
+    """The `speculators` package's own DFlash config and model (the format vLLM serves) read an
+    export: the config validates to the drafter's settings, and the model it builds holds exactly
+    the exported tensors, names and shapes, besides the verifier-owned ones it never saves."""
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    verifier = tmp_path / "verifier"  # a local verifier: speculators reads its config, no hub
+    tiny_target.model.config.save_pretrained(verifier)
+    out = export_speculators(drafter, tmp_path / "spec", verifier=str(verifier), verifier_architectures=["LlamaForCausalLM"])
+    cfg = DFlashSpeculatorConfig.from_pretrained(str(out))
+    c = drafter.config
+    assert (cfg.block_size, cfg.mask_token_id, cfg.draft_vocab_size) == (c.block_size, c.mask_token_id, c.vocab_size)
+    assert cfg.aux_hidden_state_layer_ids == to_speculators_layer_ids(c.target_layer_ids, c.num_target_layers)
+    assert cfg.transformer_layer_config.num_hidden_layers == c.num_hidden_layers and cfg.sliding_window_non_causal
+    cfg.transformer_layer_config._attn_implementation = "eager"  # flex attention would compile
+    model = DFlashDraftModel(cfg)
+    assert model.sliding_window_indices == [0] and model.sliding_window == SLIDING["sliding_window"]
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in model._keys_to_ignore_on_save}
+    ours = {k: tuple(v.shape) for k, v in load_file(str(out / "model.safetensors")).items()}
+    assert ours == theirs
+
+
 def test_load_speculators_foreign_checkpoint(drafter, tmp_path):
     """A checkpoint as speculators writes it: no num_target_layers, verifier tensors beside ours."""
     out = export_speculators(drafter, tmp_path / "spec")
