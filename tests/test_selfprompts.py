@@ -15,7 +15,7 @@ from dflashkit.vocab import stop_token_ids
 
 # Short messages and answers keep this quick on a CPU; the shipped spec is assets/self_prompts.yaml.
 TINY_SPEC = """
-sampling: {temperature: 1.0, top_p: 0.95, max_new_tokens: 40, answer_tokens: 24}
+sampling: {temperature: 1.0, top_p: 0.95, max_new_tokens: 40, answer_tokens: 16}
 weights: {chat: 2, multiturn: 1}
 categories:
   chat: {openers: ["", "What"]}
@@ -63,7 +63,7 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
     # the middle turn is the target's own greedy answer to the first message
     tok = smollm2.tokenizer
     g = generate(make_engine(smollm2, None), torch.tensor(prompt_ids(tok, mt.messages[:1])), method="ar",
-                 max_new_tokens=24, stop_ids=set(stop_token_ids(tok, smollm2.model.generation_config)))
+                 max_new_tokens=16, stop_ids=set(stop_token_ids(tok, smollm2.model.generation_config)))
     assert mt.messages[1]["content"] == tok.decode(g.tokens, skip_special_tokens=True).strip()
 
 

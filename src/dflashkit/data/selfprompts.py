@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from dflashkit.data.chat import encode, render
 from dflashkit.data.prompts import Conversation
+from dflashkit.data.trainset import interleave, quotas
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     tok = target.tokenizer
     stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     engine = make_engine(target, None)
-    quota = {c: round(count * weights[c] / sum(weights.values())) for c in names}
-    quota[names[0]] += count - sum(quota.values())
+    quota = quotas(count, weights)
     r = random.Random(seed)
     made: dict[str, list[list[dict]]] = {c: [] for c in names}
     seen: set[str] = set()
@@ -162,7 +162,4 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     if short:
         raise RuntimeError(f"self:{count}: the target wrote too few usable prompts after {ROUNDS} rounds "
                            f"(missing per category: {short}); check its chat template, or ask for fewer")
-    order = [c for c in names for _ in made[c]]
-    r.shuffle(order)
-    its = {c: iter(made[c]) for c in names}
-    return [Conversation(f"self-{c}-{i:05d}", next(its[c]), "self") for i, c in enumerate(order, 1)]
+    return [Conversation(f"self-{c}-{i:05d}", m, "self") for i, (c, m) in enumerate(interleave(made, r), 1)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
+from typing import Any
 from importlib import resources
 from pathlib import Path
 
@@ -61,8 +62,7 @@ def generate(near_eval: Callable[[str], bool], count: int = COUNT, seed: int = S
     vocab, weights, categories = spec["vocab"], spec["weights"], spec["categories"]
     r = random.Random(seed)
     names = list(categories)
-    quota = {c: round(count * weights[c] / sum(weights.values())) for c in names}
-    quota[names[0]] += count - sum(quota.values())
+    quota = quotas(count, {c: weights[c] for c in names})
     seen: set[str] = set()
     made: dict[str, list[list[dict]]] = {c: [] for c in names}
     for c in names:
@@ -84,8 +84,20 @@ def generate(near_eval: Callable[[str], bool], count: int = COUNT, seed: int = S
                 continue
             seen.add(key)
             made[c].append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)])
-    # interleave the categories (seeded), so that any prefix of the file covers all of them
-    order = [c for c in names for _ in made[c]]
+    return [{"id": f"{c}-{i:05d}", "messages": m, "category": c} for i, (c, m) in enumerate(interleave(made, r), 1)]
+
+
+def quotas(count: int, weights: dict[str, float]) -> dict[str, int]:
+    """How many of `count` each category gets, in proportion to its weight (summing to `count`)."""
+    quota = {c: round(count * w / sum(weights.values())) for c, w in weights.items()}
+    quota[next(iter(quota))] += count - sum(quota.values())
+    return quota
+
+
+def interleave(made: dict[str, list], r: random.Random) -> list[tuple[str, Any]]:
+    """(category, item) for every item, categories shuffled together (seeded) and each category's
+    items kept in order, so that any prefix of the set covers every category."""
+    order = [c for c in made for _ in made[c]]
     r.shuffle(order)
-    its = {c: iter(made[c]) for c in names}
-    return [{"id": f"{c}-{i:05d}", "messages": next(its[c]), "category": c} for i, c in enumerate(order, 1)]
+    its = {c: iter(items) for c, items in made.items()}
+    return [(c, next(its[c])) for c in order]
