@@ -99,15 +99,15 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     seen: set[str] = set()
     tried = dict.fromkeys(names, 0)
 
-    def sample(prefixes: list[str], keys: list[str], greedy: bool = False) -> list[tuple[str, bool]]:
-        """(text, finished) per prefix: the target's continuation up to its end of turn."""
+    def sample(prefixes: list[str], keys: list[str] | None) -> list[tuple[str, bool]]:
+        """(text, finished) per prefix: the target's continuation up to its end of turn, sampled
+        from the random stream each key names, or greedy (an answer) when `keys` is None."""
         out: list[tuple[str, bool]] = []
-        limit = sampling.get("answer_tokens", 256) if greedy else sampling["max_new_tokens"]
+        limit = sampling["max_new_tokens"] if keys else sampling.get("answer_tokens", 256)
         for i in range(0, len(prefixes), batch_size):
             ids = [torch.tensor(encode(tok, p)) for p in prefixes[i:i + batch_size]]
-            modes = [Sampling() if greedy else
-                     Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{seed}:{k}".encode()))
-                     for k in keys[i:i + batch_size]]
+            modes = [Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{seed}:{k}".encode()))
+                     for k in keys[i:i + batch_size]] if keys else None
             for g in generate_batch(engine, ids, method="ar", max_new_tokens=limit, sampling=modes, stop_ids=stops):
                 done = g.finish_reason == "stop"
                 out.append((tok.decode(g.tokens[:-1] if done else g.tokens, skip_special_tokens=True), done))
@@ -123,6 +123,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
         seen.add(norm)
         return True
 
+    opening = user_turn_prefix(tok, [])  # what every first message follows
     bar = tqdm(total=count, desc="write prompts", unit="prompt", disable=None)
     t0 = time.perf_counter()
     for rnd in range(ROUNDS):
@@ -133,7 +134,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                 drafts.append(_Draft(c, r.choice(openers[c]), f"{c}:{tried[c]}", []))
         if not drafts:
             break
-        firsts = sample([user_turn_prefix(tok, []) + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
+        firsts = sample([opening + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
         kept = []
         for d, (text, done) in zip(drafts, firsts):
             message = (d.opener + text).strip()
@@ -142,7 +143,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                 kept.append(d)
         two = [d for d in kept if turns[d.category] == 2]
         if two:  # the target answers the first message, then writes the follow-up
-            answers = sample([render(tok, d.messages, generation_prompt=True) for d in two], [""] * len(two), greedy=True)
+            answers = sample([render(tok, d.messages, generation_prompt=True) for d in two], None)
             for d, (text, _) in zip(two, answers):
                 d.messages.append({"role": "assistant", "content": text.strip()})
             follow = sample([user_turn_prefix(tok, d.messages) for d in two], [f"{d.key}:2" for d in two])
