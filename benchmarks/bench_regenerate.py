@@ -4,7 +4,7 @@ side in one run, on the SmolLM2 testbed (built-in training prompts, greedy).
 Every back-end answers the same prompts, longest first, with the target's stop tokens, in batches
 of `--batch` (`refill`: at most `--batch` rows, a finished row refilled at once through
 `decode_stream`'s admissions, as `serve` does; `refill-quarter`: refilled in groups once a quarter
-of the rows is free; `regenerate` runs whole batches). tokens/s = generated tokens / wall time of the whole pass (prefill included), after
+of the rows is free, as `data.prompts: self:N` writes prompts; `regenerate` runs whole batches). tokens/s = generated tokens / wall time of the whole pass (prefill included), after
 an untimed pass over the first batches (graph capture, compilation). "identical" counts answers
 whose tokens are equal between the two back-ends (bf16 near-ties may part).
 
@@ -24,7 +24,7 @@ import torch
 from dflashkit.data.chat import prompt_ids
 from dflashkit.data.prompts import load_prompts
 from dflashkit.data.regenerate import context_messages
-from dflashkit.decode.loop import Request, decode_stream, generate_batch, make_engine
+from dflashkit.decode.loop import generate_batch, make_engine
 from dflashkit.target import Target, load_target
 from dflashkit.vocab import stop_token_ids
 
@@ -45,36 +45,27 @@ def engine_pass(target: Target, batches: list[list[list[int]]], n: int, stops: s
 
 
 def refill_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int],
-                min_free: int = 1) -> list[list[int]]:
-    """At most --batch rows, finished rows refilled with the next prompts (continuous batching
-    through `decode_stream`'s admissions, as `serve` does) once `min_free` rows are free."""
+                refill: float = 0.0) -> list[list[int]]:
+    """At most --batch rows, finished rows refilled with the next prompts once `refill` of the rows
+    are free (`generate_batch(rows=...)`: continuous batching through `decode_stream`'s admissions,
+    as `serve` does). JOINS: the admissions and the time the running rows waited for them."""
     engine = make_engine(target, DRAFTER, "auto")
-    prompts = [p for b in batches for p in b]
-    joined_at: list[float] = []
-    rows = len(batches[0])
-    queue = iter(range(rows, len(prompts)))
-    order = list(range(min(rows, len(prompts))))  # stream index -> prompt index
+    join = engine.join
 
-    def admit(running: int) -> list[Request]:
-        if 0 < running and rows - running < min_free:
-            return []
-        new = [i for _, i in zip(range(rows - running), queue)]
-        if new and running:
-            sync(target.device)
-            joined_at.append(time.perf_counter())
-        order.extend(new)
-        return [Request(torch.tensor(prompts[i]), n, stop_ids=frozenset(stops)) for i in new]
+    def timed_join(*a, **kw):
+        sync(target.device)
+        t = time.perf_counter()
+        out = join(*a, **kw)
+        sync(target.device)
+        JOINS["count"] += 1
+        JOINS["seconds"] += time.perf_counter() - t
+        return out
 
-    out: dict[int, list[int]] = {}
+    engine.join = timed_join
     JOINS.update(count=0, seconds=0.0)
-    for step in decode_stream(engine, [torch.tensor(prompts[i]) for i in order], method=METHOD, max_new_tokens=n,
-                              stop_ids=stops, admit=admit):
-        if joined_at:  # this step is the join's first tokens: the batch waited for its prefill
-            sync(target.device)
-            JOINS["count"] += 1
-            JOINS["seconds"] += time.perf_counter() - joined_at.pop()
-        out.update((order[k], g.tokens) for k, _, g in step if g.finish_reason)
-    return [out[i] for i in range(len(prompts))]
+    gens = generate_batch(engine, [torch.tensor(p) for b in batches for p in b], rows=len(batches[0]), refill=refill,
+                          method=METHOD, max_new_tokens=n, stop_ids=stops)
+    return [g.tokens for g in gens]
 
 
 def transformers_pass(target: Target, batches: list[list[list[int]]], n: int, stops: set[int]) -> list[list[int]]:
@@ -118,7 +109,7 @@ def main() -> None:
     rows, answers = [], {}
     for name in args.backends.split(","):
         run = {"engine": engine_pass, "refill": refill_pass, "transformers": transformers_pass,
-               "refill-quarter": lambda *a: refill_pass(*a, min_free=max(1, args.batch // 4))}[name]
+               "refill-quarter": lambda *a: refill_pass(*a, refill=0.25)}[name]
         run(target, batches[:2], min(16, args.max_new_tokens), stops)  # warm-up, untimed
         sync(target.device)
         t = time.perf_counter()

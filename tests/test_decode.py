@@ -387,6 +387,30 @@ def test_requests_join_a_running_batch(tiny_target, engine, fixed):
     check_joins(tiny_target, ENGINES[engine], fixed)
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_generate_batch_refills_rows(tiny_target, engine):
+    """`generate_batch(rows=2)` over 6 prompts: finished rows are refilled with the next prompts
+    (the batch never exceeds 2 rows), and every prompt decodes exactly as in one whole batch
+    (greedy and seeded samples; per-prompt limits and settings follow their prompt)."""
+    drafter = make_tiny_drafter(tiny_target)
+    prompts = [p[0] for p in ragged_prompts(7, (16, 7, 20, 11, 25, 9))]
+    limits = [14, 3, 30, 9, 12, 5]
+    samplings = [Sampling(), Sampling(1.0, 0.9, seed=3), Sampling(), Sampling(0.8, 1.0, seed=4), Sampling(),
+                 Sampling(1.0, 1.0, seed=5)]
+    for method in ("ar", "dflash"):
+        eng = ENGINES[engine](tiny_target, drafter if method != "ar" else None)
+        batches = []
+        join = eng.join
+        eng.join = lambda *a, **kw: (batches.append(eng.batch), join(*a, **kw))[1]
+        refilled = generate_batch(eng, prompts, rows=2, refill=0.5, max_new_tokens=limits, method=method,
+                                  sampling=samplings)
+        assert batches and max(batches) <= 2 and eng.batch <= 2, (method, batches)
+        whole = generate_batch(ENGINES[engine](tiny_target, drafter if method != "ar" else None), prompts,
+                               max_new_tokens=limits, method=method, sampling=samplings)
+        assert [g.tokens for g in refilled] == [g.tokens for g in whole], method
+        assert [len(g.tokens) for g in refilled] == limits, method
+
+
 def check_joins(tiny_target: Target, make_engine, fixed: bool) -> None:
     drafter = make_tiny_drafter(tiny_target)
     prompts = [p[0] for p in ragged_prompts(6, (16, 7, 20, 11, 25))]

@@ -44,7 +44,8 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
         return near(text)
 
     monkeypatch.setattr("dflashkit.data.prompts.near_evaluation", lambda: near_eval)
-    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2))  # sources joined by '+'
+    # sources joined by '+'; 2 rows at a time, a finished message's row refilled with the next
+    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2, batch_size=2))
     assert [c.source for c in convs] == ["self"] * 3 + ["builtin"] * 2
     convs = convs[:3]
     assert sorted(c.id.rsplit("-", 1)[0] for c in convs) == ["self-chat", "self-chat", "self-multiturn"]
@@ -65,6 +66,9 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
     g = generate(make_engine(smollm2, None), torch.tensor(prompt_ids(tok, mt.messages[:1])), method="ar",
                  max_new_tokens=16, stop_ids=set(stop_token_ids(tok, smollm2.model.generation_config)))
     assert mt.messages[1]["content"] == tok.decode(g.tokens, skip_special_tokens=True).strip()
+    # another seed (`data.seed`) writes other prompts
+    other = load_prompts("self:3", writer=writer(smollm2, batch_size=2, seed=1))
+    assert not {m["content"] for c in other for m in c.messages} & texts
 
 
 def test_bad_self_prompt_sources_get_clear_errors(smollm2):

@@ -78,7 +78,8 @@ class DataConfig(_Section):
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     thinking: Bool = Field(False, description="passed to the chat template as enable_thinking")
     batch_size: Int = Field(8, ge=1)
-    seed: Seed = Field(0, description="sampling seed of `regenerate` when temperature > 0")
+    seed: Seed = Field(0, description="sampling seed of `regenerate` when temperature > 0, and of "
+                      "the prompts 'self:N' writes")
 
 
 class TrainConfig(_Section):

@@ -366,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
 
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
-        convs, problems = load_prompts_report(d.prompts, limit=d.limit, writer=writer(target, d.batch_size))
+        convs, problems = load_prompts_report(d.prompts, limit=d.limit, writer=writer(target, d.batch_size, d.seed))
         stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
     else:
         convs, problems = load_prompts_report(d.prompts, limit=d.limit)

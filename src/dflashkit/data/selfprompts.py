@@ -63,16 +63,19 @@ class _Draft:
     messages: list[dict]
 
 
-def writer(target: Any, batch_size: int | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
+def writer(target: Any, batch_size: int | None = None,
+           seed: int = 0) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
     """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``."""
-    return lambda count, near_eval: write_prompts(target, count, near_eval=near_eval, batch_size=batch_size)
+    return lambda count, near_eval: write_prompts(target, count, near_eval=near_eval, batch_size=batch_size,
+                                                  seed=seed)
 
 
-def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] | None = None, seed: int = SEED,
+def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] | None = None, seed: int = 0,
                   batch_size: int | None = None, path: Path | None = None) -> list[Conversation]:
     """`count` conversations that end with a user message written by `target`, ids
     ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
-    batch_size: messages written at once (default 256 on a GPU, 16 on a CPU)."""
+    batch_size: messages written at once, a finished one's row refilled (default 256 on a GPU, 16
+    on a CPU). seed: another seed writes other prompts (`data.seed`)."""
     from dflashkit.decode.generation import Sampling
     from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
@@ -94,6 +97,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     engine = make_engine(target, None)
     quota = quotas(count, weights)
+    seed += SEED
     r = random.Random(seed)
     made: dict[str, list[list[dict]]] = {c: [] for c in names}
     seen: set[str] = set()
@@ -102,16 +106,13 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     def sample(prefixes: list[str], keys: list[str] | None) -> list[tuple[str, bool]]:
         """(text, finished) per prefix: the target's continuation up to its end of turn, sampled
         from the random stream each key names, or greedy (an answer) when `keys` is None."""
-        out: list[tuple[str, bool]] = []
         limit = sampling["max_new_tokens"] if keys else sampling.get("answer_tokens", 256)
-        for i in range(0, len(prefixes), batch_size):
-            ids = [torch.tensor(encode(tok, p)) for p in prefixes[i:i + batch_size]]
-            modes = [Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{seed}:{k}".encode()))
-                     for k in keys[i:i + batch_size]] if keys else None
-            for g in generate_batch(engine, ids, method="ar", max_new_tokens=limit, sampling=modes, stop_ids=stops):
-                done = g.finish_reason == "stop"
-                out.append((tok.decode(g.tokens[:-1] if done else g.tokens, skip_special_tokens=True), done))
-        return out
+        modes = [Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{seed}:{k}".encode()))
+                 for k in keys] if keys else None
+        gens = generate_batch(engine, [torch.tensor(encode(tok, p)) for p in prefixes], rows=batch_size,
+                              method="ar", max_new_tokens=limit, sampling=modes, stop_ids=stops)
+        return [(tok.decode(g.tokens[:-1] if g.finish_reason == "stop" else g.tokens, skip_special_tokens=True),
+                 g.finish_reason == "stop") for g in gens]
 
     def usable(text: str, finished: bool, conversation: str) -> bool:
         """A finished message of 3+ words, new, and away from every evaluation prompt (then remembered)."""

@@ -103,6 +103,17 @@ def _per_row(value: Any, n: int, name: str) -> list[Any]:
     return values
 
 
+def _requests(prompts: Sequence[Tensor], max_new_tokens: int | Sequence[int], sampling: Any, stop_ids: Any) -> list[Request]:
+    """One `Request` per prompt ([T] or [1, T]), each setting given once for all or per prompt."""
+    prompts = [p.reshape(-1) if p.ndim == 2 and p.shape[0] == 1 else p for p in prompts]
+    if not prompts or any(p.ndim != 1 for p in prompts):
+        raise ValueError("prompts: expected a non-empty list of [T] or [1, T] token tensors")
+    n = len(prompts)
+    return [Request(p, lim, s or Sampling(), stop) for p, lim, s, stop in
+            zip(prompts, _per_row(max_new_tokens, n, "max_new_tokens"), _per_row(sampling, n, "sampling"),
+                _per_row(stop_ids, n, "stop_ids"))]
+
+
 def _trees(draft: Draft | None, bonus: Tensor, curve: cost.CostCurve | None,
            empty: dict[int, tuple[Trees, Tensor, Tensor]]) -> tuple[Trees, Tensor, Tensor, Tensor]:
     """Each row's tree (none for an autoregressive round) and the `tree.verification` tensors:
@@ -248,13 +259,8 @@ def decode_stream(
     the sizes chosen (0: no draft) go to `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
     that chose it (`Generation.top`; one more host transfer per round)."""
-    prompts = [p.reshape(-1) if p.ndim == 2 and p.shape[0] == 1 else p for p in prompts]
-    if not prompts or any(p.ndim != 1 for p in prompts):
-        raise ValueError("prompts: expected a non-empty list of [T] or [1, T] token tensors")
-    n = len(prompts)
-    requests = [Request(p, lim, s or Sampling(), stop) for p, lim, s, stop in
-                zip(prompts, _per_row(max_new_tokens, n, "max_new_tokens"), _per_row(sampling, n, "sampling"),
-                    _per_row(stop_ids, n, "stop_ids"))]
+    requests = _requests(prompts, max_new_tokens, sampling, stop_ids)
+    n = len(requests)
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
     dev = engine.target.device
     stages = _Stages(profile, dev)
@@ -395,12 +401,33 @@ def decode_stream(
         inflight = rnd
 
 
-def generate_batch(engine: Engine, prompts: Sequence[Tensor], **kw: Any) -> list[Generation]:
-    """`decode_stream` to the end: one finished `Generation` per prompt, in order."""
+def generate_batch(engine: Engine, prompts: Sequence[Tensor], *, rows: int | None = None, refill: float = 0.25,
+                   **kw: Any) -> list[Generation]:
+    """`decode_stream` to the end: one finished `Generation` per prompt, in order.
+
+    rows: decode at most this many prompts at once; a finished row's place goes to the next
+    prompt once `refill` of the rows are free (continuous batching). Joins come in groups because
+    the running rows wait for each join's prefill; a batch that only ran to its longest row would
+    leave most rows idle when lengths vary (sampled messages, answers that stop early)."""
+    n = len(prompts)
+    if rows is not None and n > rows:
+        requests = _requests(prompts, kw.pop("max_new_tokens"), kw.pop("sampling", None),
+                             kw.pop("stop_ids", frozenset()))
+        queue = iter(requests[rows:])
+        group = max(1, int(rows * refill))
+
+        def admit(running: int) -> list[Request]:  # stream indices follow the prompts' order
+            free = rows - running
+            return [] if running and free < group else [r for _, r in zip(range(free), queue)]
+
+        first = requests[:rows]
+        kw.update(admit=admit, rows=rows, max_new_tokens=[r.max_new_tokens for r in first],
+                  sampling=[r.sampling for r in first], stop_ids=[r.stop_ids for r in first])
+        prompts = [r.prompt for r in first]
     out: dict[int, Generation] = {}
     for step in decode_stream(engine, prompts, **kw):
         out.update((i, g) for i, _, g in step)
-    return [out[i] for i in range(len(prompts))]
+    return [out[i] for i in range(n)]
 
 
 def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
