@@ -316,11 +316,11 @@ class LinearState:
         self.pending = None
 
 
-def to_device(values: list, device: torch.device) -> Tensor:
-    """Host ints as a long tensor on `device` without waiting for it: on CUDA through pinned
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    """Host numbers as a tensor on `device` without waiting for it: on CUDA through pinned
     memory and an asynchronous copy (a copy from pageable memory synchronises the stream)."""
     cuda = device.type == "cuda"
-    return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 class HostCopy:

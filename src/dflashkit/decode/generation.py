@@ -8,7 +8,8 @@ imports the rest of dflashkit, so the server, the loop and the engines can all d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -31,14 +32,13 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def target_tokens(logits: Tensor, sampling: Sampling,
-                  generator: torch.Generator | Sequence[torch.Generator | None] | None) -> Tensor:
-    """logits [n, V] -> [n]: the argmax, or one independent sample per row from the target's own
+def target_tokens(logits: Tensor, sampling: Sampling, u: Tensor | None) -> Tensor:
+    """logits [n, V] -> [n]: the argmax, or one sample per row from the target's own
     (temperature, top-p) distribution. Autoregressive decoding uses the same function, so
-    speculative and plain decoding sample from the same distribution. generator: the random
-    stream, or one stream per equal share of the rows (a batch's sequences, each drawing from
-    its own stream what it would draw decoded alone). A sample is the first token whose
-    cumulative probability exceeds a uniform draw: one batched search, not a loop over rows."""
+    speculative and plain decoding sample from the same distribution. u [n] (float64 in [0, 1),
+    when sampling): each row's uniform draw, from its sequence's own stream (`new_generator`). A
+    sample is the first token whose cumulative probability exceeds the draw: one batched search,
+    not a loop over rows."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
@@ -46,22 +46,19 @@ def target_tokens(logits: Tensor, sampling: Sampling,
         p, idx = probs.sort(-1, descending=True)
         drop = p.cumsum(-1) - p >= sampling.top_p  # keep the smallest prefix whose mass reaches top_p
         probs = torch.zeros_like(probs).scatter(-1, idx, p.masked_fill(drop, 0.0))
-    gens = list(generator) if isinstance(generator, (list, tuple)) else [generator]
-    share = probs.shape[0] // len(gens)
-    u = torch.cat([torch.rand(share, generator=g, device=probs.device, dtype=torch.float64) for g in gens])
     cdf = probs.double().cumsum(-1)
     # right=True: a token of probability 0 (cut by top-p) is never the first to exceed the draw
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return picked.clamp_(max=probs.shape[-1] - 1)
 
 
-def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator | None:
-    """The random stream of one sequence (None when greedy); an unset seed draws a fresh one."""
+def new_generator(sampling: Sampling) -> random.Random | None:
+    """The random stream of one sequence (None when greedy); an unset seed draws a fresh one. A
+    host stream: a round's draws for a whole batch are a few hundred host calls and one copy,
+    where a device generator per sequence costs a kernel launch per sequence."""
     if sampling.temperature == 0:
         return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-    return gen
+    return random.Random(sampling.seed)
 
 
 @dataclass

@@ -25,6 +25,7 @@ limit (named convention: it makes online τ equal offline τ from cached feature
 
 from __future__ import annotations
 
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -81,7 +82,7 @@ def check_request(method: str, max_new_tokens: int, drafter: Any, budget: int | 
         raise ValueError(f"ddtree needs a node budget >= 1, got {budget}")
 
 
-def row_tokens(logits: Tensor, samplings: Sequence[Sampling], gens: Sequence[torch.Generator | None]) -> Tensor:
+def row_tokens(logits: Tensor, samplings: Sequence[Sampling], gens: Sequence[random.Random | None]) -> Tensor:
     """logits [b, q, V] -> [b, q]: each row through `target_tokens` with its own sampling and
     random stream, so a row draws exactly what it would draw decoded alone."""
     out = logits.argmax(-1)
@@ -89,10 +90,12 @@ def row_tokens(logits: Tensor, samplings: Sequence[Sampling], gens: Sequence[tor
     for i, s in enumerate(samplings):
         if s.temperature > 0:
             groups.setdefault((s.temperature, s.top_p), []).append(i)
+    b, q = out.shape
     for (temperature, top_p), rows in groups.items():
-        idx = torch.tensor(rows, device=logits.device)
-        picked = target_tokens(logits[idx].flatten(0, 1), Sampling(temperature, top_p), [gens[i] for i in rows])
-        out[idx] = picked.view(len(rows), -1)
+        u = to_device([gens[i].random() for i in rows for _ in range(q)], logits.device, torch.float64)
+        whole = len(rows) == b  # (indexing by a host list would wait for the device)
+        idx = slice(None) if whole else to_device(rows, logits.device)
+        out[idx] = target_tokens(logits[idx].flatten(0, 1), Sampling(temperature, top_p), u).view(len(rows), q)
     return out
 
 
@@ -151,7 +154,7 @@ class _Row:
     index: int
     request: Request
     limit: int  # max_new_tokens, within the model's positions
-    gen: torch.Generator | None  # its own random stream
+    gen: random.Random | None  # its own random stream
     res: Generation
     t1: float  # when its first token was known: decode time counts from here
 
@@ -194,8 +197,7 @@ def _start(engine: Engine, requests: Sequence[Request], first: int, method: str,
     if engine.target.max_positions:  # the answer ends where the model's positions do
         limits = [min(lim, engine.target.max_positions - len(r.prompt)) for lim, r in zip(limits, requests)]
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
-    dev = engine.target.device
-    gens = [new_generator(r.sampling, dev) for r in requests]
+    gens = [new_generator(r.sampling) for r in requests]
     t0 = time.perf_counter()
     # Room for the answer up to a few thousand tokens; the caches grow beyond that only if the
     # answer does (a request without a token limit must not reserve the model's whole context).
