@@ -18,7 +18,7 @@ from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import loop as loop_mod
 from dflashkit.decode.command import chat_ids
 from dflashkit.decode.engine import Draft, Engine
-from dflashkit.decode.generation import Sampling, target_tokens
+from dflashkit.decode.generation import Sampling, new_generator, target_tokens
 from dflashkit.decode.loop import Request, decode_stream, generate, generate_batch
 from dflashkit.decode.static import static_engine
 from dflashkit.decode.tree import Trees, ancestors, best_first, chains, draft_trees, verification, walk
@@ -163,6 +163,12 @@ def test_ancestors_and_walk():
     assert full.accepted.tolist() == short.accepted.tolist() == [2, 0]
     assert full.bonus.tolist() == short.bonus.tolist() == [0, 1]
     assert torch.equal(ancestors(chain.parents), verification(torch.tensor([1, 2]), chain, chain=True)[2])
+
+
+def test_a_seed_names_one_stream_modulo_2_64():
+    draw = lambda seed: new_generator(Sampling(1.0, seed=seed)).random()  # noqa: E731
+    assert draw(-1) == draw(2**64 - 1) != draw(1) == draw(1) != draw(2)
+    assert new_generator(Sampling()) is None  # greedy draws nothing
 
 
 def test_top_p_keeps_the_smallest_nucleus():

@@ -499,7 +499,7 @@ class _Common(BaseModel):
     n: Int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # a seed of Python's random.Random (its absolute value)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # taken modulo 2**64
     stop: str | list[str] | None = None
 
 

@@ -58,7 +58,7 @@ def new_generator(sampling: Sampling) -> random.Random | None:
     where a device generator per sequence costs a kernel launch per sequence."""
     if sampling.temperature == 0:
         return None
-    return random.Random(sampling.seed)
+    return random.Random(None if sampling.seed is None else sampling.seed % 2**64)  # (-1 is not 1)
 
 
 @dataclass
