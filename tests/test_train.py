@@ -170,7 +170,10 @@ def test_time_budget_fits_the_schedule_to_the_steps_that_fit(tmp_path):
     last = max(steps)
     assert 2 < last < 400  # fitted from the first timed step, far below the provisional 1000
     lrs = losses(out, key="lr")
-    assert lrs[last] < 0.05 * max(lrs.values())  # the cosine reached (almost) zero at the fitted end
+    # The cosine ends at the fitted end, not at the provisional 1000 steps (where, a few dozen steps
+    # in, the rate would still be near its peak). Not "almost zero": when steps run slower than
+    # measured, the last re-fit ends the run a few steps short of the schedule it was on.
+    assert lrs[last] < 0.25 * max(lrs.values())
 
 
 # ---- the run directory, divergence, the mask token ---------------------------------------------
