@@ -31,6 +31,12 @@ def packable(target: Any) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of this dtype on this CPU: fp32 always, bf16 only with AVX-512
+    (or AVX-NE-CONVERT); an AVX2-only CPU refuses it."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack(w: Tensor) -> Tensor:
     """A copy of the weight [out, in] in oneDNN's blocked layout, for `linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends, small
-from dflashkit.decode.packed import drafter_copy, linear, lm_head, pack_weight, packable
+from dflashkit.decode.packed import drafter_copy, linear, lm_head, pack_weight, packable, packs
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
 from dflashkit.target import Target
@@ -600,13 +600,14 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     if pack is None and compile_drafter:  # Dynamo cannot trace oneDNN's packed weights (the drafter's step reads the LM head)
         pack = False
     runner = StaticRunner(target, list(layer_ids), cuda_graphs=runner_graphs, compile=compile, fuse=fuse, pack=pack)
-    if drafter is not None and (runner.packed or draft_dtype is not None):
-        drafter = drafter_copy(drafter, draft_dtype, runner.packed)
+    draft_packed = drafter is not None and runner.packed and packs(draft_dtype or next(drafter.parameters()).dtype)
+    if drafter is not None and (draft_packed or draft_dtype is not None):
+        drafter = drafter_copy(drafter, draft_dtype, draft_packed)
     engine = Engine(target, drafter, runner)
     if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
         engine.lm_head = lm_head(target, target.dtype, packed=True)
         if engine.draft_head is not None:
-            engine.draft_head = lm_head(target, engine.draft_dtype, packed=True)
+            engine.draft_head = lm_head(target, engine.draft_dtype, packed=draft_packed)
     engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
     if runner_graphs and "linear_attention" not in target.layer_kinds:  # (a hybrid's prefill runs eagerly)
         engine.small_pass, engine.join_pass = SMALL_PASS_TOKENS, JOIN_PASS_TOKENS
