@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dflashkit.checkpoint import load_drafter
+from dflashkit.decode import static as static_mod
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
 from dflashkit.decode.loop import generate_batch, make_engine
@@ -79,7 +80,11 @@ def main() -> None:
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the bundled SmolLM2 drafter)")
     p.add_argument("--json", help="write settings and rows here")
+    p.add_argument("--all-dynamic", action="store_true",
+                   help="compile the engines' steps with every size symbolic (torch.compile(dynamic=True)), as before "
+                   "automatic dynamic shapes (`static.compiled`): the comparison's baseline")
     args = p.parse_args()
+    static_mod.ALL_DYNAMIC = args.all_dynamic
     from dflashkit.data.prompts import load_prompts
     from dflashkit.evaluate import eval_prompts
     from dflashkit.vocab import stop_token_ids
@@ -113,7 +118,7 @@ def main() -> None:
         r["vs_ar"] = r["tokens_per_s"] / next(a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"])["tokens_per_s"]
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype,
-                "engine": args.engine, "runner": type(engines["spec"].run).__name__,
+                "engine": args.engine, "runner": type(engines["spec"].run).__name__, "all_dynamic": args.all_dynamic,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
                 "drafter": str(args.drafter or "bundled smollm2-drafter")}
     print(f"\n{settings}\n\n{table(rows)}")

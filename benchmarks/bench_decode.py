@@ -44,6 +44,7 @@ import torch
 
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
+from dflashkit.decode import static as static_mod
 from dflashkit.decode.static import runner_features, static_engine
 from dflashkit.decode.tree import Walk, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
@@ -418,8 +419,13 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile each measured generation: device time per round by kernel kind and the N "
                     "largest kernels")
+    ap.add_argument("--all-dynamic", action="store_true",
+                    help="compile the engines' steps with every size symbolic (torch.compile(dynamic=True)), as before "
+                    "automatic dynamic shapes (`static.compiled`): the comparison's baseline")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.all_dynamic:
+        static_mod.ALL_DYNAMIC = True
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = dict(SHAPES[args.target][1 if args.tiny else 0])
@@ -427,7 +433,8 @@ def main() -> int:
         shape["num_hidden_layers"] = args.layers
     hybrid = "linear_num_key_heads" in shape
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                 "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "batch": 1, "results": {}}
+                 "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "batch": 1, "results": {},
+                 "all_dynamic": args.all_dynamic}
 
     def save() -> None:
         if args.json:

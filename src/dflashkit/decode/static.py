@@ -321,6 +321,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def compiled(fn: Callable) -> Callable:
+    """torch.compile of a layer function: automatic dynamic shapes, so that a first shape compiles
+    static and a change makes only the sizes that changed (rows, tokens, slots) symbolic. Model
+    sizes (hidden, head dim) stay constants: Inductor keeps a norm's reduction in registers (a
+    persistent reduction) only over a size it knows. With every size symbolic (`dynamic=True`),
+    a Qwen3-8B verification pass took 6.04 instead of 5.82 ms at batch 1, 10.93 instead of 9.65
+    ms at batch 16 (docs/benchmarks.md). `ALL_DYNAMIC` restores that (the benchmarks'
+    `--all-dynamic` baseline)."""
+    return torch.compile(fn, dynamic=True if ALL_DYNAMIC else None)
+
+
+ALL_DYNAMIC = False
+
+
 @contextmanager
 def no_collection():
     """Python's cyclic garbage collector paused: an engine dropped earlier (its graphs held in
@@ -426,7 +440,7 @@ class StaticRunner:
         self.rotary = target.model.get_decoder().rotary_emb
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
         # The layer functions of passes in CUDA graphs, or of every pass without graphs (`_run`).
-        self.compiled = tuple(torch.compile(f, dynamic=True) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
+        self.compiled = tuple(compiled(f) for f in LAYER_FUNCTIONS) if compile else LAYER_FUNCTIONS
         self.cache: KVCache | None = None
         self.cuda_graphs = cuda_graphs
         self.graphed = Graphs(self._step, self._where) if cuda_graphs else None
@@ -612,6 +626,9 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     if runner_graphs and "linear_attention" not in target.layer_kinds:  # (a hybrid's prefill runs eagerly)
         engine.small_pass, engine.join_pass = SMALL_PASS_TOKENS, JOIN_PASS_TOKENS
     if compile_drafter:  # the drafter's pass; its tree building (a beam search) would take minutes to compile
+        # Every size symbolic here: one compilation serves every context width and span. (Under
+        # automatic dynamic shapes, bench_decode's staged run compiled it again after its warm-up
+        # on an H200, 14.6 s; where a round's draft goes, its norms gained nothing measurable.)
         engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True)
     if graphs and drafter is not None:
         engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
