@@ -326,8 +326,8 @@ def compiled(fn: Callable) -> Callable:
     static and a change makes only the sizes that changed (rows, tokens, slots) symbolic. Model
     sizes (hidden, head dim) stay constants: Inductor keeps a norm's reduction in registers (a
     persistent reduction) only over a size it knows. With every size symbolic (`dynamic=True`),
-    a Qwen3-8B verification pass took 6.04 instead of 5.82 ms at batch 1, 10.93 instead of 9.65
-    ms at batch 16 (docs/benchmarks.md). `ALL_DYNAMIC` restores that (the benchmarks'
+    a Qwen3-8B verification pass took 5.83 instead of 5.53 ms at batch 1, 10.97 instead of 9.55
+    ms at batch 16 on an H200 (docs/benchmarks.md). `ALL_DYNAMIC` restores that (the benchmarks'
     `--all-dynamic` baseline)."""
     return torch.compile(fn, dynamic=True if ALL_DYNAMIC else None)
 
