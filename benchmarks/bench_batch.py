@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--drafter", default=None, help="drafter directory (default: the bundled SmolLM2 drafter)")
     p.add_argument("--json", help="write settings and rows here")
     p.add_argument("--all-dynamic", action="store_true",
-                   help="compile the engines' steps with every size symbolic (torch.compile(dynamic=True)), as before "
+                   help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
                    "automatic dynamic shapes (`static.compiled`): the comparison's baseline")
     args = p.parse_args()
     static_mod.ALL_DYNAMIC = args.all_dynamic

@@ -420,12 +420,11 @@ def main() -> int:
                     help="also profile each measured generation: device time per round by kernel kind and the N "
                     "largest kernels")
     ap.add_argument("--all-dynamic", action="store_true",
-                    help="compile the engines' steps with every size symbolic (torch.compile(dynamic=True)), as before "
+                    help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
                     "automatic dynamic shapes (`static.compiled`): the comparison's baseline")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    if args.all_dynamic:
-        static_mod.ALL_DYNAMIC = True
+    static_mod.ALL_DYNAMIC = args.all_dynamic
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = dict(SHAPES[args.target][1 if args.tiny else 0])

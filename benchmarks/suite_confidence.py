@@ -28,7 +28,7 @@ from dflashkit.data.prompts import EVAL_SUITES, get_suite, load_prompts
 from dflashkit.decode.loop import generate_batch
 from dflashkit.decode.static import static_engine
 from dflashkit.demo import bundled_drafter_dir
-from dflashkit.evaluate import eval_prompts
+from dflashkit.evaluate import eval_prompts, summarize
 from dflashkit.target import load_target
 from dflashkit.vocab import stop_token_ids
 
@@ -61,7 +61,7 @@ def main() -> None:
         gens = generate_batch(engine, prompts, max_new_tokens=suite.max_new_tokens, method="dflash", stop_ids=stops)
         probs = [q for pr, g in zip(prompts, gens) for q in top1_probabilities(target, pr, g.tokens)]
         rows.append({"suite": suite.name, "prompts": len(prompts), "tokens": len(probs),
-                     "tau": sum(len(g.tokens) for g in gens) / sum(g.rounds for g in gens),
+                     "tau": summarize([t for g in gens for t in g.accept_lengths], drafter.config.block_size)["tau"],
                      "top1_mean": statistics.mean(probs), "below_half": sum(q < 0.5 for q in probs) / len(probs),
                      "seconds": time.perf_counter() - t0})
         r = rows[-1]
