@@ -396,8 +396,38 @@ def test_dense_training_mask_is_one_additive_tensor_for_all_layers(tiny_target, 
     torch.testing.assert_close(h.detach(), boolean)
 
 
+def test_flex_block_mask_equals_create_block_mask():
+    """The tile counts of the dense rule give FlexAttention exactly the tiles that its own
+    `create_block_mask` over `visible` gives: which to skip, which to mask, which to run whole,
+    in the same order, for queries and (backward) keys; ragged rows, padding, sliding windows."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(0)
+    B, T, n = 16, 700, 40
+    anchors = torch.stack([torch.sort(300 + torch.randperm(T - B - 300, generator=g)[:n]).values for _ in range(2)])
+    anchors[1, 25:] = anchors[1, 24]  # a short row, repeated last anchor (padding blocks)
+    ctx_valid = torch.ones(2, T, dtype=torch.bool)
+    ctx_valid[1, 500:] = False
+    layout = masks.training_layout(anchors, B, ctx_valid)
+    qa, qb, kp, kb = layout.q_anchor, layout.q_block, layout.k_pos, layout.k_block
+    for window in (None, 200):
+        ours = masks.flex_block_mask(layout, window)
+        ref = fa.create_block_mask(lambda b, h, q, k: masks.visible(qa[b, q], qb[b, q], kp[b, k], kb[b, k], window),
+                                   B=2, H=None, Q_LEN=qa.shape[1], KV_LEN=kp.shape[1], device="cpu")
+        assert ours.shape == ref.shape
+        for side in ("kv", "full_kv", "q", "full_q"):
+            num, idx = getattr(ref, f"{side}_num_blocks"), getattr(ref, f"{side}_indices")
+            assert torch.equal(getattr(ours, f"{side}_num_blocks"), num), side
+            got = getattr(ours, f"{side}_indices")
+            assert got.shape == idx.shape and got.dtype == idx.dtype
+            for row in range(2):
+                for tile in range(num.shape[-1]):
+                    k = int(num[row, 0, tile])  # past the count, the order is unspecified
+                    assert torch.equal(got[row, 0, tile, :k], idx[row, 0, tile, :k]), (side, row, tile)
+        assert 0 < int(ours.kv_num_blocks.sum()) and 0 < int(ours.full_kv_num_blocks.sum())  # both kinds occur
+
+
 def test_flex_and_dense_attention_agree(tiny_target):
-    if masks.create_block_mask is None:
+    if masks.BlockMask is None:
         pytest.skip("FlexAttention is not available in this torch")
     drafter = make_tiny_drafter(tiny_target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     lm = torch.ones(2, 40, dtype=torch.bool)
