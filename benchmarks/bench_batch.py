@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from bench_decode import add_baseline_options, apply_baseline_options
 from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import static as static_mod
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
 from dflashkit.decode.loop import generate_batch, make_engine
@@ -80,11 +80,9 @@ def main() -> None:
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the bundled SmolLM2 drafter)")
     p.add_argument("--json", help="write settings and rows here")
-    p.add_argument("--all-dynamic", action="store_true",
-                   help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
-                   "automatic dynamic shapes (`static.compiled`): the comparison's baseline")
+    add_baseline_options(p)
     args = p.parse_args()
-    static_mod.ALL_DYNAMIC = args.all_dynamic
+    baselines = apply_baseline_options(args)
     from dflashkit.data.prompts import load_prompts
     from dflashkit.evaluate import eval_prompts
     from dflashkit.vocab import stop_token_ids
@@ -118,7 +116,7 @@ def main() -> None:
         r["vs_ar"] = r["tokens_per_s"] / next(a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"])["tokens_per_s"]
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype,
-                "engine": args.engine, "runner": type(engines["spec"].run).__name__, "all_dynamic": args.all_dynamic,
+                "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
                 "drafter": str(args.drafter or "bundled smollm2-drafter")}
     print(f"\n{settings}\n\n{table(rows)}")

@@ -397,6 +397,22 @@ def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_toke
             "peak_extra_mib": peak}
 
 
+def add_baseline_options(ap: argparse.ArgumentParser) -> None:
+    """Former code paths of the static engine, as the baselines of side-by-side comparisons."""
+    ap.add_argument("--all-dynamic", action="store_true",
+                    help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
+                    "automatic dynamic shapes (`static.compiled`)")
+    ap.add_argument("--row-major", action="store_true",
+                    help="keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were "
+                    "stored [in, out] on CUDA (`static.COLUMN_WEIGHTS`)")
+
+
+def apply_baseline_options(args: argparse.Namespace) -> dict:
+    static_mod.ALL_DYNAMIC = args.all_dynamic
+    static_mod.COLUMN_WEIGHTS = False if args.row_major else None
+    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (default qwen3-8b)")
@@ -419,12 +435,10 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile each measured generation: device time per round by kernel kind and the N "
                     "largest kernels")
-    ap.add_argument("--all-dynamic", action="store_true",
-                    help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
-                    "automatic dynamic shapes (`static.compiled`): the comparison's baseline")
+    add_baseline_options(ap)
     args = ap.parse_args()
     t_start = time.perf_counter()
-    static_mod.ALL_DYNAMIC = args.all_dynamic
+    baselines = apply_baseline_options(args)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = dict(SHAPES[args.target][1 if args.tiny else 0])
@@ -433,7 +447,7 @@ def main() -> int:
     hybrid = "linear_num_key_heads" in shape
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "batch": 1, "results": {},
-                 "all_dynamic": args.all_dynamic}
+                 **baselines}
 
     def save() -> None:
         if args.json:

@@ -10,12 +10,12 @@ from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
 
-def make_tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 128, seed: int = 0) -> Target:
+def make_tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 128, seed: int = 0, tie: bool = True) -> Target:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
     return Target(LlamaForCausalLM(cfg).float(), None, name="tiny-llama")
 

@@ -39,6 +39,41 @@ def test_fused_weights_are_views_not_copies():
     assert target.model.generate(ids, max_new_tokens=5, do_sample=False)[0, 12:].tolist() == ref[:5]
 
 
+def test_weights_stored_by_columns_are_views_and_decode_the_same(monkeypatch):
+    """Where the output, MLP and LM-head weights are stored [in, out] (on CUDA; forced here): the
+    modules, the drafter's too, read transposed views of one buffer each (no copy left, values
+    untouched, a second engine reuses them), and greedy AR, DFlash and DDTree, alone and ragged,
+    equal autoregressive decoding before the change, and the target's own `generate` is unchanged."""
+    from dflashkit.decode import static
+    from dflashkit.decode.loop import generate_batch
+
+    target = make_tiny_target(tie=False)
+    drafter = make_tiny_drafter(target, seed=2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 120, (n,), generator=g) for n in (12, 30, 7)]
+    hf = [target.model.generate(p[None], max_new_tokens=24, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    want = [x.tokens for x in generate_batch(static_engine(target, None, pack=False), prompts, max_new_tokens=24, method="ar")]
+    before = {n: p.detach().clone() for n, p in [*target.model.named_parameters(), *drafter.named_parameters()]}
+    monkeypatch.setattr(static, "COLUMN_WEIGHTS", True)
+    eng = static_engine(target, drafter, fuse=True, pack=False)
+    layer, head = target.layers[0], target.model.get_output_embeddings()
+    mlp, dmlp = layer.mlp, drafter.layers[0].mlp
+    gate_up = eng.run.tw[0].gate_up
+    assert gate_up.stride() == (1, gate_up.shape[0]) and mlp.up_proj.weight.data_ptr() == gate_up[64 * 2:].data_ptr()
+    for w in (layer.self_attn.o_proj.weight, mlp.down_proj.weight, head.weight, drafter.layers[0].self_attn.o_proj.weight,
+              dmlp.gate_proj.weight, dmlp.down_proj.weight):
+        assert w.stride() == (1, w.shape[0]) and w.t().is_contiguous()
+    assert layer.self_attn.q_proj.weight.is_contiguous()  # q/k/v stay by rows
+    after = dict([*target.model.named_parameters(), *drafter.named_parameters()])
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    again = static_engine(target, drafter, fuse=True, pack=False)
+    assert again.run.tw[0].gate_up.data_ptr() == gate_up.data_ptr() and again.run.tw[0].o.data_ptr() == eng.run.tw[0].o.data_ptr()
+    for method, budget in [("ar", None), ("dflash", None), ("ddtree", 12)]:
+        assert [x.tokens for x in generate_batch(eng, prompts, max_new_tokens=24, method=method, budget=budget)] == want
+    assert generate(again, prompts[0], max_new_tokens=24, method="dflash").tokens == want[0]
+    assert [target.model.generate(p[None], max_new_tokens=24, do_sample=False)[0, len(p):].tolist() for p in prompts] == hf
+
+
 def _counting_engine(monkeypatch, captures: dict[str, int]):
     """A tiny target's graph engine (fixed rows, as `static_engine` on CUDA) on CPU, `Graphs`
     replaced by a counter of the signatures it would capture (and of buffer moves), run eagerly."""

@@ -132,11 +132,11 @@ class LayerWeights(NamedTuple):
     mix: LinearMix | None = None
 
 
-def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
+def _weights(layer: Any, fuse: bool = False, columns: bool = False) -> LayerWeights:
     """Detached views of the module's parameters (same storage; no autograd state to guard on).
-    fuse: also q/k/v and gate/up as one row-concatenated weight each (see `_fuse_rows`)."""
+    fuse: also q/k/v and gate/up as one row-concatenated weight each (see `_fuse`); columns: o, gate/up and down stored [in, out]."""
     if hasattr(layer, "linear_attn"):
-        return _linear_weights(layer, fuse)
+        return _linear_weights(layer, fuse, columns)
     a, (gp, up, dp) = layer.self_attn, _mlp_projections(layer)
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
     gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's post_attention_layernorm is not the pre-MLP norm
@@ -144,8 +144,10 @@ def _weights(layer: Any, fuse: bool = False) -> LayerWeights:
     mods = [layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, qn, kn, a.o_proj, ln2, gp, up, dp]
     b = [None if mod is None or getattr(mod, "bias", None) is None else mod.bias.detach() for mod in mods]
     fuse = fuse and all(x is None for x in b[1:4] + b[8:10])  # biased projections stay separate
-    qkv_w = _fuse_rows([a.q_proj, a.k_proj, a.v_proj]) if fuse else None
-    gate_up = _fuse_rows([gp, up]) if fuse and gp is not None else None
+    qkv_w = _fuse([a.q_proj, a.k_proj, a.v_proj]) if fuse else None
+    gate_up = _mlp_layout(gp, up, dp, fuse, columns)
+    if columns:
+        _fuse([a.o_proj], columns=True)
     w = [None if mod is None else mod.weight.detach() for mod in mods]
     extra: dict[str, Any] = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
                                  post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True,
@@ -168,7 +170,7 @@ def _pack_layer(w: LayerWeights, layer: nn.Module) -> LayerWeights:
                       down=pack(w.down))
 
 
-def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
+def _linear_weights(layer: Any, fuse: bool, columns: bool) -> LayerWeights:
     la, (gp, up, dp) = layer.linear_attn, _mlp_projections(layer)
     if hasattr(la, "in_proj_qkvz"):  # Qwen3-Next
         proj = _split_qkvz(la)
@@ -178,11 +180,13 @@ def _linear_weights(layer: Any, fuse: bool) -> LayerWeights:
     else:
         mods = [la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]
         qkv_w, z, b, a = (mod.weight.detach() for mod in mods)
-        proj = _fuse_rows(mods) if fuse else None
+        proj = _fuse(mods) if fuse else None
     mix = LinearMix(qkv_w, z, b, a, proj, la.conv1d.weight.detach()[:, 0],
                     None if la.conv1d.bias is None else la.conv1d.bias.detach(),
                     la.dt_bias.detach(), la.A_log.detach(), la.norm.weight.detach())
-    gate_up = _fuse_rows([gp, up]) if fuse and gp is not None else None
+    gate_up = _mlp_layout(gp, up, dp, fuse, columns)
+    if columns:
+        _fuse([la.out_proj], columns=True)
     gate, up_w, down = (None if mod is None else mod.weight.detach() for mod in (gp, up, dp))
     return LayerWeights(layer.input_layernorm.weight.detach(), None, None, None, None, None, None, None, None,
                         la.out_proj.weight.detach(), None, layer.post_attention_layernorm.weight.detach(),
@@ -210,24 +214,48 @@ def _split_qkvz(la: nn.Module) -> Tensor:
     return proj
 
 
+def _mlp_layout(gate: nn.Module | None, up: nn.Module | None, down: nn.Module | None, fuse: bool,
+                columns: bool) -> Tensor | None:
+    """Lays out a gated MLP's weights (`_fuse`); returns the fused [gate; up] weight if `fuse`."""
+    if gate is None:  # a mixture of experts: its module runs it
+        return None
+    if columns:
+        _fuse([down], columns=True)
+    if fuse:
+        return _fuse([gate, up], columns)
+    if columns:
+        _fuse([gate], columns=True)
+        _fuse([up], columns=True)
+    return None
+
+
 def _mlp_projections(layer: Any) -> list[nn.Module | None]:
     """gate, up and down of a gated MLP; None for a mixture of experts (run by its module)."""
     return [None] * 3 if sparse_mlp(layer) else [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
 
 
 @torch.no_grad()
-def _fuse_rows(mods: list[nn.Module]) -> Tensor:
-    """The modules' weights as one [sum of rows, in] tensor: fewer, larger GEMMs, which read the
+def _fuse(mods: list[nn.Module], columns: bool = False) -> Tensor:
+    """The modules' weights as one [sum of outs, in] tensor: fewer, larger GEMMs, which read the
     weights closer to full bandwidth at the few rows of a decoding step. The modules' weights
-    become row views of it, so no second copy stays in memory (for an 8B target that copy would be
-    9 GB); a second engine over the same modules finds them already adjacent and reuses the buffer."""
+    become views of it, so no second copy stays in memory (for an 8B target that copy would be
+    9 GB); a second engine over the same modules finds them already in place and reuses the buffer.
+    columns: stored transposed, [in, sum of outs], and returned as its transposed view (one module
+    alone is re-laid out so): cuBLAS reads a weight so stored 3-5 % faster at 1-256 rows on an H200
+    for the output, gate/up, down and LM-head shapes of a Qwen3-8B pass, though not for q/k/v at
+    256 rows (`benchmarks/bench_gemm.py`, docs/benchmarks.md)."""
     ws = [mod.weight for mod in mods]
     rows, cols = sum(w.shape[0] for w in ws), ws[0].shape[1]
-    offsets = [ws[0].storage_offset() + cols * sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
-    if all(w.is_contiguous() and w.untyped_storage().data_ptr() == ws[0].untyped_storage().data_ptr()
-           and w.storage_offset() == off for w, off in zip(ws, offsets)):
-        return ws[0].detach().new_empty(0).set_(ws[0].untyped_storage(), offsets[0], (rows, cols), (cols, 1))
-    buf = torch.cat([w.detach() for w in ws])
+    step = 1 if columns else cols  # storage elements from one output row to the next
+    stride = (1, rows) if columns else (cols, 1)
+    offsets = [ws[0].storage_offset() + step * sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
+    storage = ws[0].untyped_storage()
+    if all(w.stride() == stride and w.untyped_storage().data_ptr() == storage.data_ptr() and w.storage_offset() == off
+           for w, off in zip(ws, offsets)):
+        return ws[0].detach().new_empty(0).set_(storage, offsets[0], (rows, cols), stride)
+    buf = torch.cat([w.detach() for w in ws])  # [rows, cols]
+    if columns:
+        buf = buf.t().contiguous().t()
     start = 0
     for mod in mods:
         n = mod.weight.shape[0]
@@ -333,6 +361,13 @@ def compiled(fn: Callable) -> Callable:
 
 
 ALL_DYNAMIC = False
+# Weights of the output, MLP and LM-head GEMMs stored [in, out] (`_fuse`)? None: on CUDA. False:
+# as loaded, [out, in] (the benchmarks' `--row-major` baseline); True: on any device (tests).
+COLUMN_WEIGHTS: bool | None = None
+
+
+def column_weights(device: torch.device) -> bool:
+    return device.type == "cuda" if COLUMN_WEIGHTS is None else COLUMN_WEIGHTS
 
 
 @contextmanager
@@ -432,8 +467,13 @@ class StaticRunner:
         # pack: oneDNN's packed weights (default where `packable`, unless compiling): copies, so
         # the target's modules keep theirs (for an fp32 135M model, 0.5 GB more).
         self.packed = (packable(target) and not compile) if pack is None else pack
-        fuse = (target.device.type == "cuda" or self.packed) if fuse is None else fuse  # faster on an H200 / packed
-        self.tw = [_weights(layer, fuse) for layer in target.layers]
+        cuda = target.device.type == "cuda"
+        fuse = (cuda or self.packed) if fuse is None else fuse  # faster on an H200 / packed
+        columns = column_weights(target.device)
+        self.tw = [_weights(layer, fuse, columns) for layer in target.layers]
+        head = target.model.get_output_embeddings()
+        if columns and head.weight.data_ptr() != target.model.get_input_embeddings().weight.data_ptr():
+            _fuse([head], columns=True)  # (a tied head stays: the embedding's rows are read by token)
         if self.packed:
             self.tw = [_pack_layer(w, layer) for w, layer in zip(self.tw, target.layers)]
         self.norm_w = target.final_norm.weight
@@ -617,6 +657,10 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     draft_packed = drafter is not None and runner.packed and packs(draft_dtype or next(drafter.parameters()).dtype)
     if drafter is not None and (draft_packed or draft_dtype is not None):
         drafter = drafter_copy(drafter, draft_dtype, draft_packed)
+    if drafter is not None and column_weights(target.device):
+        for layer in drafter.layers:  # laid out as the target's (its q/k/v stay apart: the module computes them so)
+            _fuse([layer.self_attn.o_proj], columns=True)
+            _mlp_layout(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, False, True)
     engine = Engine(target, drafter, runner)
     if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
         engine.lm_head = lm_head(target, target.dtype, packed=True)
