@@ -40,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -463,7 +464,7 @@ def main() -> int:
         if v == "pipeline":
             if d.main:
                 try:
-                    r = pipeline(args.pipeline, device, "/tmp/bench_pipeline", args.pipeline_micro, args.tiny)
+                    r = pipeline(args.pipeline, device, tempfile.mkdtemp(prefix="bench_pipeline_"), args.pipeline_micro, args.tiny)
                 except Exception as e:
                     r = {"error": f"{type(e).__name__}: {e}"[:2000]}
                 report["pipeline"] = r

@@ -343,6 +343,8 @@ class DFlashDrafter(nn.Module):
         rope_c = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         if cache is not None:  # the buffers exist before any layer takes its own view of them
             cache.kv.allocate(x.new_empty(x.shape[0], cfg.num_key_value_heads, 0, cfg.head_dim))
+        else:
+            lengths_dynamic((x, ctx, *rope_q, *rope_c), layer_masks.values())
         for i, layer in enumerate(self.layers):
             mine = None if cache is None else replace(cache, kv=cache.kv.layer(i))
             x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine)
@@ -350,6 +352,27 @@ class DFlashDrafter(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def lengths_dynamic(tables: tuple[Tensor, ...], masks: Any) -> None:
+    """Marks the rows and lengths of the layers' training inputs dynamic before their first
+    compilation (`layer.compile()` in the trainer): every dimension of `tables` (hidden states,
+    RoPE tables) but the last (hidden size, head dim), and every dimension of the `masks`, a
+    FlexAttention BlockMask's tile tables and its rule's tensors included. Each batch is padded to
+    its own length: under automatic dynamic shapes the layers compiled static first, then again for
+    every size that changed, in and out of autograd (7 compilations of 15-20 s each in the first
+    steps of a training job on an H200, 3 now); dynamic=True would make the model's sizes symbolic
+    too, for 5 % slower steps (docs/benchmarks.md, "Training")."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in tables:
+        for dim in range(t.dim() - 1):
+            mark(t, dim)
+    for m in masks:
+        parts = [m] if torch.is_tensor(m) else [*m.as_tuple(), *(c.cell_contents for c in m.mask_mod.__closure__ or ())]
+        for t in parts:
+            if torch.is_tensor(t):
+                for dim in range(t.dim()):
+                    mark(t, dim)
 
 
 def drafter_config_for_target(
