@@ -13,7 +13,9 @@ heads, 8 KV heads, head dim 128), and checks each against the math reference:
 - `compiled`: q k^T, softmax and p v written out and compiled (cuBLAS for the products, one fused
   softmax);
 - `flex`: FlexAttention with the mask as a score modification (Triton; short queries take its
-  split-KV decoding kernel).
+  split-KV decoding kernel);
+- `fused`: `few_attention.attend`, one Triton pass over spans of keys and a combine (what the
+  engine uses on CUDA).
 
     python3 benchmarks/bench_attention.py --queries 16,65 --keys 768 --batches 1,16 --json out.json
 """
@@ -28,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dflashkit import few_attention
 
 
 def folded(q: torch.Tensor, g: int) -> torch.Tensor:
@@ -53,9 +57,14 @@ def candidates(g: int, scale: float) -> dict:
         s = (folded(q, g) @ k.transpose(-1, -2)).float() * scale + m
         return (s.softmax(-1).to(v.dtype)) @ v
 
+    def fused(q, k, v, m, m_gqa):
+        return few_attention.attend(folded(q, g), k, v, m, scale)
+
     out = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
            "math": sdpa(SDPBackend.MATH), "gqa-cudnn": sdpa_gqa(SDPBackend.CUDNN_ATTENTION),
            "compiled": torch.compile(written_out, dynamic=False)}
+    if few_attention.triton is not None:
+        out["fused"] = fused
     try:
         from torch.nn.attention.flex_attention import flex_attention
 

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit import few_attention
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode import static as static_mod
@@ -398,19 +399,23 @@ def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_toke
 
 
 def add_baseline_options(ap: argparse.ArgumentParser) -> None:
-    """Former code paths of the static engine, as the baselines of side-by-side comparisons."""
+    """Other code paths of the static engine (former ones, or candidates), for side-by-side comparisons."""
     ap.add_argument("--all-dynamic", action="store_true",
                     help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
                     "automatic dynamic shapes (`static.compiled`)")
     ap.add_argument("--row-major", action="store_true",
                     help="keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were "
                     "stored [in, out] on CUDA (`static.COLUMN_WEIGHTS`)")
+    ap.add_argument("--fused-few", action="store_true",
+                    help="one-row passes of few queries attend through the fused Triton kernel (`few_attention.ENABLED`, "
+                    "off by default until measured) instead of q k^T, softmax and p v")
 
 
 def apply_baseline_options(args: argparse.Namespace) -> dict:
     static_mod.ALL_DYNAMIC = args.all_dynamic
     static_mod.COLUMN_WEIGHTS = False if args.row_major else None
-    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major}
+    few_attention.ENABLED = args.fused_few
+    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major, "fused_few": args.fused_few}
 
 
 def main() -> int:

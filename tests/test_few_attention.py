@@ -1,0 +1,59 @@
+"""The fused few-query attention (`few_attention.attend`, Triton) equals SDPA under a tree's
+visibility: on CUDA in bf16, elsewhere through Triton's interpreter (fp16 and fp32: the
+interpreter multiplies bf16 wrongly) in a subprocess, since the interpreter is chosen when the
+kernels are defined."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflashkit import few_attention
+
+pytestmark = pytest.mark.skipif(few_attention.triton is None, reason="Triton is not installed")
+
+CASES = [  # (rows, kv heads, g, queries, slots, head dim): an AR step, a DFlash block, a DDTree-64 tree (>1 query tile)
+    (1, 2, 2, 1, 300, 64),
+    (1, 2, 4, 16, 768, 128),
+    (2, 2, 2, 65, 256, 64),
+    (1, 1, 4, 16, 4000, 64),  # long: spans of 256 keys
+]
+
+
+def check(dtype: torch.dtype, device: str) -> None:
+    from dflashkit.decode.static import attend, folded_mask
+    from dflashkit.decode.tree import visibility
+
+    g = torch.Generator().manual_seed(0)
+    for b, kv, grp, t, n, d in CASES:
+        lengths = torch.randint(n // 3, n // 2, (b,), generator=g)  # a long invisible tail: the mask matters
+        depths = torch.arange(t).repeat(b, 1)
+        ancestors = torch.tril(torch.rand(b, t, t, generator=g) < 0.5) | torch.eye(t, dtype=torch.bool)
+        mask = folded_mask(visibility(lengths, depths, ancestors, n, None), grp, dtype).to(device)
+        q = torch.randn(b, kv, grp * t, d, generator=g).to(device, dtype)
+        k, v = (torch.randn(b, kv, n, d, generator=g).to(device, dtype) for _ in range(2))
+        want = attend(q.float(), k.float(), v.float(), mask.float(), d ** -0.5)
+        got = few_attention.attend(q, k, v, mask, d ** -0.5)
+        assert got.shape == want.shape and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        # the mask matters: without it the output differs (by more than the tolerance, many times over)
+        unmasked = few_attention.attend(q, k, v, torch.zeros_like(mask), d ** -0.5).float()
+        assert (unmasked - want).abs().max() > 100 * 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_few_attention_on_cuda():
+    check(torch.bfloat16, "cuda")
+
+
+def test_fused_few_attention_in_triton_interpreter():
+    code = ("import torch, test_few_attention as t\n"
+            "t.check(torch.float32, 'cpu')\nt.check(torch.float16, 'cpu')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
