@@ -1,7 +1,7 @@
 """The fused few-query attention (`few_attention.attend`, Triton) equals SDPA under a tree's
-visibility: on CUDA in bf16, elsewhere through Triton's interpreter (fp16 and fp32: the
-interpreter multiplies bf16 wrongly) in a subprocess, since the interpreter is chosen when the
-kernels are defined."""
+visibility: on CUDA in bf16, elsewhere through Triton's interpreter (fp32, and fp16 on the
+DFlash shape: the interpreter multiplies bf16 wrongly) in a subprocess, since the interpreter is
+chosen when the kernels are defined."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_fused_few_attention_on_cuda():
 
 def test_fused_few_attention_in_triton_interpreter():
     code = ("import torch, test_few_attention as t\n"
-            "t.check(torch.float32, 'cpu')\nt.check(torch.float16, 'cpu')\n")
+            "t.check(torch.float32, 'cpu')\nt.CASES = t.CASES[1:2]\nt.check(torch.float16, 'cpu')\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -875,6 +875,9 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         stats = trainer.step((batcher.build(g) for g in groups), len(groups))
         step = done = step + 1
         step_s.append(time.perf_counter() - t_step)
+        if d.main and done == start + 1 and compile_:
+            log.info("step %d took %.1f s, most of it compiling the drafter's layers (later steps reuse them)",
+                     done, step_s[-1])
         if fit_from is not None and done >= fit_from and (done < start + BUDGET_REFIT_EVERY or done % BUDGET_REFIT_EVERY == 0):
             # Re-fitted every step at first, then every few: the median step time ignores the
             # steps that compile for new shapes (one such step once ended a run after 8 steps),
