@@ -242,8 +242,8 @@ def _fuse(mods: list[nn.Module], columns: bool = False) -> Tensor:
     9 GB); a second engine over the same modules finds them already in place and reuses the buffer.
     columns: stored transposed, [in, sum of outs], and returned as its transposed view (one module
     alone is re-laid out so): on an H200, cuBLAS reads the output, gate/up, down and LM-head
-    weights of a Qwen3-8B pass so stored 3-7 % faster at 1-16 rows, and as fast or faster at 256,
-    while q/k/v lose 12 % at 256 rows (`benchmarks/bench_gemm.py`, docs/benchmarks.md)."""
+    weights of a Qwen3-8B pass so stored up to 7 % faster (the pass's GEMMs 3-4 % at 1-16 rows),
+    and as fast or faster at 256, while q/k/v lose 12 % at 256 rows (`benchmarks/bench_gemm.py`, docs/benchmarks.md)."""
     ws = [mod.weight for mod in mods]
     rows, cols = sum(w.shape[0] for w in ws), ws[0].shape[1]
     step = 1 if columns else cols  # storage elements from one output row to the next
