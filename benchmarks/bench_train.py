@@ -377,12 +377,16 @@ def pipeline(steps: int, device: torch.device, out_dir: str, micro: int, tiny: b
                              "train.log_every=5", "train.save_every=1000000", "train.tensorboard=false",
                              "drafter.mask_token_id=16", f"target.device={device}",
                              *(["train.anchors_per_seq=16", "drafter.num_layers=2", "train.batch_size=4"] if tiny else [])])
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     t = time.perf_counter()
     train(cfg, target=target, samples=samples)
     wall = time.perf_counter() - t
+    graphs = counters["stats"]["unique_graphs"] - graphs  # Dynamo graphs compiled (layers, loss tails)
     rows = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     tr = [r for r in rows if r["kind"] == "train"]
-    return {"steps": steps, "micro_batch": micro, "wall_s": round(wall, 1),
+    return {"steps": steps, "micro_batch": micro, "wall_s": round(wall, 1), "compiled_graphs": graphs,
             "block_tokens_per_s_last": round(tr[-1]["block_tokens_per_s"]) if tr else None,
             "loss_first_last": [tr[0]["loss"], tr[-1]["loss"]] if tr else None,
             "tau_sim": [r["tau_sim"] for r in rows if r["kind"] == "eval"]}
