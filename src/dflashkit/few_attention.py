@@ -28,7 +28,7 @@ except ImportError:  # CPU-only installs: `drafter.attend_few` writes the attent
 SPLIT = 128  # keys per program at least: at 768 slots, 6 programs per KV head and query tile
 MAX_SPANS = 16  # past 16 x 128 slots, spans grow (powers of two) instead: partial sums stay small
 BLOCK_N = 64  # keys per inner step
-BLOCK_G = 64  # folded queries per program (at least 16 for tl.dot)
+BLOCK_G = 64  # folded queries per program at most (at least 16 for tl.dot: an AR step's 4 take 16)
 
 
 # Off until it has run on a GPU: checked so far in Triton's CPU interpreter (fp32, fp16), which
@@ -115,14 +115,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tenso
     acc = torch.empty(spans, b * heads, G, D, device=q.device, dtype=torch.float32)
     stats = torch.empty(spans, b * heads, G, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, heads, G, D, device=q.device, dtype=q.dtype)
-    tiles = triton.cdiv(G, BLOCK_G)
+    bg = max(16, min(BLOCK_G, triton.next_power_of_2(G)))
+    tiles = triton.cdiv(G, bg)
     _spans[(tiles, b * heads, spans)](
         q, k, v, mask, acc, stats, G, N, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
-        H=heads, D=D, BG=BLOCK_G, BN=BLOCK_N, SPAN=span)
+        H=heads, D=D, BG=bg, BN=BLOCK_N, SPAN=span)
     _combine[(tiles, b * heads)](acc, stats, out, G, spans, out.stride(0), out.stride(1), out.stride(2),
-                                 H=heads, D=D, BG=BLOCK_G, SP=triton.next_power_of_2(spans))
+                                 H=heads, D=D, BG=bg, SP=triton.next_power_of_2(spans))
     return out
 
 
