@@ -50,7 +50,6 @@ import torch
 
 from dflashkit import masks
 from dflashkit import objective as objective_mod
-from dflashkit import train as train_mod
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, training_hidden
 from dflashkit.objective import IGNORE, LossOut, micro_batch, pad_anchors, sample_anchors, slot_weights
 from dflashkit.train import SEQ_MULTIPLE, Dist, Trainer, init_distributed
@@ -430,17 +429,12 @@ def main() -> int:
                     help="also find the longest sequence whose training step fits in GIB (per variant and objective)")
     ap.add_argument("--head-chunk-logits", type=int, default=None, metavar="N",
                     help="logits per LM-head chunk of our objective (default objective.HEAD_CHUNK_LOGITS)")
-    ap.add_argument("--layer-dynamic", action="store_true",
-                    help="compile the drafter's layers with dynamic=True from the first step (default: automatic "
-                         "dynamic shapes, static first and recompiled when a length changes)")
     ap.add_argument("--no-ceiling", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_train.json")
     args = ap.parse_args()
     objectives = args.objectives.split(",")
     if args.head_chunk_logits:
         objective_mod.HEAD_CHUNK_LOGITS = args.head_chunk_logits
-    if args.layer_dynamic:
-        train_mod.LAYER_DYNAMIC = True
     if any(o not in OBJECTIVES for o in objectives):
         ap.error(f"--objectives: expected names among {OBJECTIVES}, got {args.objectives!r}")
 
@@ -451,7 +445,7 @@ def main() -> int:
     shape = TINY if args.tiny else MID if args.mid else QWEN3_8B
     report: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                     "shape": shape, "head_chunk_logits": objective_mod.HEAD_CHUNK_LOGITS,
-                    "layer_dynamic": train_mod.LAYER_DYNAMIC, "world": d.world, "variants": []}
+                    "world": d.world, "variants": []}
     if cuda and not args.no_ceiling and d.main:
         report["matmul_tflops"] = round(matmul_ceiling(device), 1)
         print(f"bf16 8192^3 matmul: {report['matmul_tflops']} TFLOP/s", flush=True)

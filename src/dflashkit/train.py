@@ -53,7 +53,6 @@ from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, an
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-LAYER_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the drafter's layers (None: automatic)
 SEQ_MULTIPLE = 64  # sequences are right-padded to a multiple of this (fewer distinct shapes to compile)
 ANCHOR_MULTIPLE = 8  # anchors per sequence padded to a multiple of this (B=16: 128 queries, one flex tile)
 
@@ -349,7 +348,7 @@ class Trainer:
             key = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"  # torch < 2.6
             setattr(dc, key, max(getattr(dc, key), 64))
             for layer in drafter.layers:
-                layer.compile(dynamic=LAYER_DYNAMIC)
+                layer.compile()
 
     def _sync(self, last: bool):
         """Gradients are reduced across ranks on the last micro-batch only."""

@@ -145,9 +145,7 @@ def _weights(layer: Any, fuse: bool = False, columns: bool = False) -> LayerWeig
     b = [None if mod is None or getattr(mod, "bias", None) is None else mod.bias.detach() for mod in mods]
     fuse = fuse and all(x is None for x in b[1:4] + b[8:10])  # biased projections stay separate
     qkv_w = _fuse([a.q_proj, a.k_proj, a.v_proj]) if fuse else None
-    gate_up = _mlp_layout(gp, up, dp, fuse, columns)
-    if columns:
-        _fuse([a.o_proj], columns=True)
+    gate_up = _out_mlp_layout(a.o_proj, gp, up, dp, fuse, columns)
     w = [None if mod is None else mod.weight.detach() for mod in mods]
     extra: dict[str, Any] = dict(post_attn=layer.post_attention_layernorm.weight.detach(),
                                  post_mlp=layer.post_feedforward_layernorm.weight.detach(), offset=True,
@@ -184,9 +182,7 @@ def _linear_weights(layer: Any, fuse: bool, columns: bool) -> LayerWeights:
     mix = LinearMix(qkv_w, z, b, a, proj, la.conv1d.weight.detach()[:, 0],
                     None if la.conv1d.bias is None else la.conv1d.bias.detach(),
                     la.dt_bias.detach(), la.A_log.detach(), la.norm.weight.detach())
-    gate_up = _mlp_layout(gp, up, dp, fuse, columns)
-    if columns:
-        _fuse([la.out_proj], columns=True)
+    gate_up = _out_mlp_layout(la.out_proj, gp, up, dp, fuse, columns)
     gate, up_w, down = (None if mod is None else mod.weight.detach() for mod in (gp, up, dp))
     return LayerWeights(layer.input_layernorm.weight.detach(), None, None, None, None, None, None, None, None,
                         la.out_proj.weight.detach(), None, layer.post_attention_layernorm.weight.detach(),
@@ -214,10 +210,13 @@ def _split_qkvz(la: nn.Module) -> Tensor:
     return proj
 
 
-def _mlp_layout(gate: nn.Module | None, up: nn.Module | None, down: nn.Module | None, fuse: bool,
-                columns: bool) -> Tensor | None:
-    """Lays out a gated MLP's weights (`_fuse`); returns the fused [gate; up] weight if `fuse`."""
-    if gate is None:  # a mixture of experts: its module runs it
+def _out_mlp_layout(out: nn.Module, gate: nn.Module | None, up: nn.Module | None, down: nn.Module | None,
+                    fuse: bool, columns: bool) -> Tensor | None:
+    """Lays out a layer's output projection and gated MLP (`_fuse`); returns the fused [gate; up]
+    weight if `fuse` (None for a mixture of experts: its module runs it)."""
+    if columns:
+        _fuse([out], columns=True)
+    if gate is None:
         return None
     if columns:
         _fuse([down], columns=True)
@@ -659,8 +658,8 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         drafter = drafter_copy(drafter, draft_dtype, draft_packed)
     if drafter is not None and column_weights(target.device):
         for layer in drafter.layers:  # laid out as the target's (its q/k/v stay apart: the module computes them so)
-            _fuse([layer.self_attn.o_proj], columns=True)
-            _mlp_layout(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, False, True)
+            _out_mlp_layout(layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj,
+                            False, True)
     engine = Engine(target, drafter, runner)
     if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
         engine.lm_head = lm_head(target, target.dtype, packed=True)
