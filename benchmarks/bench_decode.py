@@ -406,16 +406,18 @@ def add_baseline_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--row-major", action="store_true",
                     help="keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were "
                     "stored [in, out] on CUDA (`static.COLUMN_WEIGHTS`)")
-    ap.add_argument("--fused-few", action="store_true",
-                    help="one-row passes of few queries attend through the fused Triton kernel (`few_attention.ENABLED`, "
-                    "off by default until measured) instead of q k^T, softmax and p v")
+    ap.add_argument("--few-attention", choices=("auto", "fused", "written"), default="auto",
+                    help="one-row passes of few queries: 'auto' attends through the fused Triton kernel over "
+                    "caches of `few_attention.FROM_KEYS` slots or more and writes q k^T, softmax and p v out below; "
+                    "'fused' / 'written' use one of them at every length")
 
 
 def apply_baseline_options(args: argparse.Namespace) -> dict:
     static_mod.ALL_DYNAMIC = args.all_dynamic
     static_mod.COLUMN_WEIGHTS = False if args.row_major else None
-    few_attention.ENABLED = args.fused_few
-    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major, "fused_few": args.fused_few}
+    few_attention.FROM_KEYS = {"auto": few_attention.FROM_KEYS, "fused": 0, "written": None}[args.few_attention]
+    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major, "few_attention": args.few_attention,
+            "few_attention_from_keys": few_attention.FROM_KEYS}
 
 
 def main() -> int:

@@ -214,9 +214,10 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> T
     over 768 slots, against 9 us for these two small GEMMs and one fused softmax (compiled). Only
     for one row: from 4 rows of 16 queries at SmolLM2's head shapes (9 / 3 / 64) the flash kernel
     wins (18 against 9 us), at Qwen3-8B's it still loses (12 against 9 us)
-    (benchmarks/bench_attention.py, docs/benchmarks.md). `few_attention.attend`, where enabled
-    (CUDA, bf16/fp16, Triton), fuses the three into one pass over the keys and a combine."""
-    if few_attention.available(q):
+    (benchmarks/bench_attention.py, docs/benchmarks.md). Over long caches
+    (`few_attention.FROM_KEYS`; CUDA, bf16/fp16, Triton) `few_attention.attend` fuses the three
+    into one pass over the keys and a combine instead: it never writes the scores out."""
+    if few_attention.available(q, k):
         return few_attention.attend(q, k, v, mask, scale)
     s = (q @ k.transpose(-1, -2)).float() * scale + mask
     return s.softmax(-1).to(v.dtype) @ v

@@ -1,4 +1,4 @@
-"""Attention of a few queries over a KV cache, fused, for one-row decoding passes on CUDA.
+"""Attention of a few queries over a long KV cache, fused, for one-row decoding passes on CUDA.
 
 A decoding pass at batch 1 attends 1-65 queries per row (an AR step, a DFlash block, a DDTree-64
 tree) over a cache of a few hundred to a few thousand slots, under an additive mask (the tree's
@@ -12,7 +12,7 @@ path rounds q kᵀ to bf16 first).
 
 Layout as `attend_few`'s: q [b, kv, G, d] (the G = g * t query heads of a KV group folded into
 the query axis), k / v [b, kv, n, d] (last dimension contiguous), mask additive [b, 1, G, n].
-`available` says whether this path runs (`ENABLED`, CUDA tensors, Triton importable)."""
+`available` says whether this path runs (enough keys: `FROM_KEYS`, CUDA tensors, Triton importable)."""
 
 from __future__ import annotations
 
@@ -31,13 +31,18 @@ BLOCK_N = 64  # keys per inner step
 BLOCK_G = 64  # folded queries per program at most (at least 16 for tl.dot: an AR step's 4 take 16)
 
 
-# Off until it has run on a GPU: checked so far in Triton's CPU interpreter (fp32, fp16), which
-# cannot multiply bf16. The decoding benchmarks' `--fused-few` turns it on for a side-by-side run.
-ENABLED = False
+# Keys from which the fused kernel replaces the written-out attention (None: never). The three
+# written-out kernels win over short caches, where a kernel's launch and latency dominate (8.9
+# against 11.6 us for a DFlash block of a Qwen3-8B layer over 768 slots on an H200); the fused pass
+# wins over long ones, where the written-out scores ([kv, g*t, n] in fp32) cost more than the
+# keys: 23.8 against 26.5 us over 6,144 slots, 38.7 against 62.0 over 16,384; at 4,096 the
+# written-out one is still 8 % faster (benchmarks/bench_attention.py, docs/benchmarks.md).
+FROM_KEYS: int | None = 6144
 
 
-def available(q: Tensor) -> bool:
-    return ENABLED and triton is not None and q.is_cuda and q.shape[-1] in (64, 128) and q.dtype in (torch.bfloat16, torch.float16)
+def available(q: Tensor, k: Tensor) -> bool:
+    return (FROM_KEYS is not None and k.shape[-2] >= FROM_KEYS and triton is not None and q.is_cuda
+            and q.shape[-1] in (64, 128) and q.dtype in (torch.bfloat16, torch.float16))
 
 
 if triton is not None:
