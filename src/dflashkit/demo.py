@@ -137,11 +137,12 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().addHandler(handler)
     cpu = not device.startswith("cuda")
     n_eval = sum(min(s.prompts, plan.suite_prompts or s.prompts) for s in EVAL_SUITES)
-    per_prompt = 55 if cpu else 6  # seconds of evaluation per prompt (measured on 2 CPU cores / an H200)
-    stages = Stages({"load target": 10, "regenerate": 3.5 * plan.train_prompts if cpu else 120, "tokenize": 5,
-                     "extract": 1.5 * plan.train_prompts if cpu else 20, "held-out τ before": 10,
-                     "adapt": plan.train_minutes * 60 if plan.train_minutes else 60 + 4 * plan.train_steps, "held-out τ after": 10,
-                     "evaluate suites": per_prompt * n_eval, "report": 2})
+    # Seconds, a little above what 2 CPU cores (2026-12-04: 11:02 in all) and an H200 measured.
+    per_prompt = 30 if cpu else 6  # evaluation of one suite prompt
+    stages = Stages({"load target": 10, "regenerate": 1.5 * plan.train_prompts if cpu else 120, "tokenize": 5,
+                     "extract": 0.6 * plan.train_prompts if cpu else 20, "held-out τ before": 40 if cpu else 10,
+                     "adapt": plan.train_minutes * 60 if plan.train_minutes else 60 + 4 * plan.train_steps,
+                     "held-out τ after": 40 if cpu else 10, "evaluate suites": per_prompt * n_eval, "report": 2})
     log.info("demo plan (%s): %s", device, plan)
 
     target = stages.run("load target", lambda: load_target(cfg.target.path, gguf_file=cfg.target.gguf_file,
