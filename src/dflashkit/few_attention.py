@@ -1,14 +1,15 @@
 """Attention of a few queries over a long KV cache, fused, for one-row decoding passes on CUDA.
 
 A decoding pass at batch 1 attends 1-65 queries per row (an AR step, a DFlash block, a DDTree-64
-tree) over a cache of a few hundred to a few thousand slots, under an additive mask (the tree's
-visibility). `drafter.attend_few` writes it out as q kᵀ, a softmax and p v: three kernels,
-about 11 µs per layer of a Qwen3-8B target on an H200 (docs/benchmarks.md), where the bytes read
-(keys and values, 3 MB at 768 slots) take under 1 µs. Here (FlashDecoding's scheme) one Triton
-kernel gives each (query tile, KV head, span of `SPLIT` keys) a program that computes its scores,
-an online softmax and its share of p v in fp32; a second kernel weighs the spans' partial sums by
-their maxima and normalisers. Scores are taken in fp32 from the bf16 products (the written-out
-path rounds q kᵀ to bf16 first).
+tree) over a cache of a few hundred to tens of thousands of slots, under an additive mask (the
+tree's visibility). `drafter.attend_few` writes it out as q kᵀ, a softmax and p v: three kernels,
+about 9 µs per layer of a Qwen3-8B target on an H200 at 768 slots, but 62 µs at 16,384, where
+the scores it writes out ([kv, g*t, n] in fp32) cost more than the keys. Here (FlashDecoding's
+scheme) one Triton kernel gives each (query tile, KV head, span of `SPLIT` keys or more) a
+program that computes its scores, an online softmax and its share of p v in fp32; a second kernel
+weighs the spans' partial sums by their maxima and normalisers: 39 µs at 16,384 slots, but 11.5 µs
+at 768, where two launches cost more than the work (docs/benchmarks.md). Scores are taken in fp32
+from the bf16 products (the written-out path rounds q kᵀ to bf16 first).
 
 Layout as `attend_few`'s: q [b, kv, G, d] (the G = g * t query heads of a KV group folded into
 the query axis), k / v [b, kv, n, d] (last dimension contiguous), mask additive [b, 1, G, n].
