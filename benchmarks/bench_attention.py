@@ -18,6 +18,7 @@ heads, 8 KV heads, head dim 128), and checks each against the math reference:
   engine uses on CUDA from `few_attention.FROM_KEYS` slots; below, it writes the attention out).
 
     python3 benchmarks/bench_attention.py --queries 16,65 --keys 768 --batches 1,16 --json out.json
+    python3 benchmarks/bench_attention.py --queries 1,16,65 --keys 4096,16384 --only compiled,fused
 """
 
 from __future__ import annotations
@@ -113,15 +114,24 @@ def main() -> int:
     ap.add_argument("--keys", default="768", help="slots attended over, comma list")
     ap.add_argument("--batches", default="1,16", help="rows, comma list")
     ap.add_argument("--iters", type=int, default=100, help="calls per timed graph replay")
+    ap.add_argument("--only", help="comma list of the candidates to time (default: all; flex takes tens of ms a "
+                    "call at 65 queries, math hundreds of us over long caches)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_attention: needs a CUDA device (it times CUDA graph replays)")
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, KV, D = args.heads, args.kv_heads, args.head_dim
     g, scale = H // KV, D ** -0.5
     fns = candidates(g, scale)
+    reference = fns["math"]
+    if args.only:
+        unknown = sorted(set(args.only.split(",")) - set(fns))
+        if unknown:
+            raise SystemExit(f"bench_attention: --only: unknown candidate(s) {', '.join(unknown)}; "
+                             f"expected some of {', '.join(fns)}")
+        fns = {k: fn for k, fn in fns.items() if k in args.only.split(",")}
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention: needs a CUDA device (it times CUDA graph replays)")
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "heads": H, "kv_heads": KV, "head_dim": D, "results": []}
     print(f"{'batch':>5} {'queries':>7} {'keys':>5}  " + "  ".join(f"{k:>13}" for k in fns))
@@ -139,7 +149,7 @@ def main() -> int:
                 vis[:, :, pre:pre + t] |= torch.eye(t, dtype=torch.bool, device=dev)
                 m_gqa = torch.zeros(b, 1, t, n, device=dev, dtype=dt).masked_fill(~vis[:, None], float("-inf"))
                 m = m_gqa.repeat(1, 1, g, 1)
-                ref = fns["math"](q, k, v, m, m_gqa).float()
+                ref = reference(q, k, v, m, m_gqa).float()
                 cells = {}
                 for name, fn in fns.items():
                     try:
