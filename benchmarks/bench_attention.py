@@ -125,11 +125,12 @@ def main() -> int:
     fns = candidates(g, scale)
     reference = fns["math"]
     if args.only:
-        unknown = sorted(set(args.only.split(",")) - set(fns))
+        only = args.only.split(",")
+        unknown = sorted(set(only) - set(fns))
         if unknown:
             raise SystemExit(f"bench_attention: --only: unknown candidate(s) {', '.join(unknown)}; "
                              f"expected some of {', '.join(fns)}")
-        fns = {k: fn for k, fn in fns.items() if k in args.only.split(",")}
+        fns = {k: fn for k, fn in fns.items() if k in only}
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention: needs a CUDA device (it times CUDA graph replays)")
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -125,9 +125,10 @@ def run(args: argparse.Namespace) -> int:
             if value <= 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive, got {value}")
             setattr(plan, field, value)
-            if field in ("train_steps", "train_minutes"):  # the one given replaces the other
-                other = "train_minutes" if field == "train_steps" else "train_steps"
-                setattr(plan, other, None)
+    if args.train_steps is not None:  # the one given replaces the plan's other
+        plan.train_minutes = None
+    if args.train_minutes is not None:
+        plan.train_steps = None
     if args.budgets:
         plan.budgets = [int(b) for b in args.budgets.split(",")]
     out = Path(args.out)

@@ -32,12 +32,8 @@ BLOCK_N = 64  # keys per inner step
 BLOCK_G = 64  # folded queries per program at most (at least 16 for tl.dot: an AR step's 4 take 16)
 
 
-# Keys from which the fused kernel replaces the written-out attention (None: never). The three
-# written-out kernels win over short caches, where a kernel's launch and latency dominate (8.9
-# against 11.6 us for a DFlash block of a Qwen3-8B layer over 768 slots on an H200); the fused pass
-# wins over long ones, where the written-out scores ([kv, g*t, n] in fp32) cost more than the
-# keys: 23.8 against 26.5 us over 6,144 slots, 38.7 against 62.0 over 16,384; at 4,096 the
-# written-out one is still 8 % faster (benchmarks/bench_attention.py, docs/benchmarks.md).
+# Keys from which the fused kernel replaces the written-out attention (None: never): on an H200,
+# 23.8 against 26.5 us over 6,144 slots; at 4,096 the written-out one is still 8 % faster.
 FROM_KEYS: int | None = 6144
 
 
