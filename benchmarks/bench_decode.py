@@ -45,6 +45,7 @@ import torch
 from dflashkit import few_attention
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
+from dflashkit.decode import heads as heads_mod
 from dflashkit.decode import static as static_mod
 from dflashkit.decode.static import runner_features, static_engine
 from dflashkit.decode.tree import Walk, walk
@@ -406,6 +407,12 @@ def add_baseline_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--row-major", action="store_true",
                     help="keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were "
                     "stored [in, out] on CUDA (`static.COLUMN_WEIGHTS`)")
+    ap.add_argument("--combo-kernels", action="store_true",
+                    help="compile with Inductor's combo kernels (independent kernels of a compiled function launched "
+                    "as one; `static.COMBO_KERNELS`)")
+    ap.add_argument("--unfused-heads", action="store_true",
+                    help="make q/k/v heads (norms, RoPE, cache stores) with the compiled PyTorch code, three kernels a "
+                    "layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)")
     ap.add_argument("--few-attention", choices=("auto", "fused", "written"), default="auto",
                     help="one-row passes of few queries: 'auto' attends through the fused Triton kernel over "
                     "caches of `few_attention.FROM_KEYS` slots or more and writes q k^T, softmax and p v out below; "
@@ -415,8 +422,12 @@ def add_baseline_options(ap: argparse.ArgumentParser) -> None:
 def apply_baseline_options(args: argparse.Namespace) -> dict:
     static_mod.ALL_DYNAMIC = args.all_dynamic
     static_mod.COLUMN_WEIGHTS = False if args.row_major else None
+    static_mod.COMBO_KERNELS = args.combo_kernels
+    heads_mod.ENABLED = not args.unfused_heads
     few_attention.FROM_KEYS = {"auto": few_attention.FROM_KEYS, "fused": 0, "written": None}[args.few_attention]
-    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major, "few_attention": args.few_attention,
+    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major, "combo_kernels": args.combo_kernels,
+            "unfused_heads": args.unfused_heads,
+            "few_attention": args.few_attention,
             "few_attention_from_keys": few_attention.FROM_KEYS}
 
 

@@ -10,8 +10,9 @@ costs what the sequences hold, not the cache's capacity, with few distinct graph
 
 The mask is `tree.visibility`, the drafter is the `drafter.py` module (its step captured too):
 only the target's layers are run differently from `engine.HFRunner`, and tests check both equal
-the target's own generation. Optional torch.compile fuses each layer's elementwise work, and
-q/k/v and gate/up weights can be fused row-wise. Supported targets: Llama / Qwen2 / Qwen3-style
+the target's own generation. Optional torch.compile fuses each layer's elementwise work, on
+CUDA the query/key/value heads come from one Triton kernel (`decode/heads.py`), and q/k/v and
+gate/up weights can be fused row-wise. Supported targets: Llama / Qwen2 / Qwen3-style
 decoders (full attention, or sliding windows named per layer), Gemma 3 (its norms of (1 + w), the
 norms after attention and MLP, GELU, one RoPE per layer type, query scaling by
 `query_pre_attn_scalar`) and the Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids (Gated DeltaNet layers
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflashkit.decode import delta
+from dflashkit.decode import delta, heads
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends, small
 from dflashkit.decode.packed import drafter_copy, linear, lm_head, pack_weight, packable, packs
@@ -281,14 +282,14 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
-def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
+def qkv(h: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
         head_dim: int, kv: LayerKV, slots: Tensor) -> tuple[Tensor, Tensor | None]:
-    """x [b, t, H] -> q [b, kv_heads, g * t, d] (the g = heads / kv_heads query heads of each KV
-    group folded into the query axis, for `attend`) and the output gate [b, t, heads * d] of a
-    gated attention (else None); k and v (RoPE applied) are written into the layer's cache at
-    slots [b, t] here, so that a compiled layer function makes and stores them in one kernel."""
-    b, t, _ = x.shape
-    h = rms_norm(x, w.ln1, eps, w.offset)
+    """h [b, t, H] (the layer's input, normalised by the previous layer's `out_mlp`) -> q [b,
+    kv_heads, g * t, d] (the g = heads / kv_heads query heads of each KV group folded into the
+    query axis, for `attend`) and the output gate [b, t, heads * d] of a gated attention (else
+    None); k and v (RoPE applied) are written into the layer's cache at slots [b, t] here, so that
+    a compiled layer function makes and stores them in one kernel."""
+    b, t, _ = h.shape
     q_rows = heads * head_dim * (2 if w.gated else 1)
     if w.qkv is not None:
         yq, yk, yv = linear(h, w.qkv).split([q_rows, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -308,6 +309,13 @@ def qkv(x: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads:
     return q, gate
 
 
+def qkv_fused(h: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, num_heads: int, kv_heads: int,
+              head_dim: int, kv: LayerKV, slots: Tensor) -> tuple[Tensor, None]:
+    """`qkv` with the heads' norms, RoPE, layout and cache stores in one kernel (`decode/heads.py`)."""
+    y = linear(h, w.qkv)
+    return heads.heads(y, w.qn, w.kn, w.offset, eps, cos, sin, kv.k, kv.v, slots, num_heads, kv_heads), None
+
+
 def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | None = None) -> Tensor:
     """The token mixer's output projection + residual (Gemma: normalised before it joins). o: the
     mixer's output [b, t, h * d], or `attend`'s [b, kv_heads, g * t, d], whose heads are put back
@@ -323,8 +331,11 @@ def out_proj(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | N
     return x + (a if w.post_attn is None else rms_norm(a, w.post_attn, eps, w.offset))
 
 
-def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | None = None) -> Tensor:
-    """`out_proj`, then the gated MLP + residual (Gemma: normalised before it joins)."""
+def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | None, norm: Tensor) -> tuple[Tensor, Tensor]:
+    """`out_proj`, then the gated MLP + residual (Gemma: normalised before it joins) -> the residual
+    stream x and its normalisation by `norm`, the next layer's input norm (or the final norm): the
+    residual add and that norm are one kernel, not two in two compiled functions (one launch less
+    a layer, ~2.5 us on an H200)."""
     x = out_proj(x, o, w, eps, gate)
     h = rms_norm(x, w.ln2, eps, w.offset)
     if w.gate_up is not None:
@@ -332,7 +343,8 @@ def out_mlp(x: Tensor, o: Tensor, w: LayerWeights, eps: float, gate: Tensor | No
     else:
         gate, up = linear(h, w.gate, w.gb), linear(h, w.up, w.ub)
     m = linear(ACTIVATIONS["gelu_pytorch_tanh" if w.gelu else "silu"](gate) * up, w.down, w.db)
-    return x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.offset))
+    x = x + (m if w.post_mlp is None else rms_norm(m, w.post_mlp, eps, w.offset))
+    return x, rms_norm(x, norm, eps, w.offset)
 
 
 def folded_mask(vis: Tensor, g: int, dtype: torch.dtype) -> Tensor:
@@ -356,10 +368,17 @@ def compiled(fn: Callable) -> Callable:
     a Qwen3-8B verification pass took 5.83 instead of 5.53 ms at batch 1, 10.97 instead of 9.55
     ms at batch 16 on an H200 (docs/benchmarks.md). `ALL_DYNAMIC` restores that (the benchmarks'
     `--all-dynamic` baseline)."""
-    return torch.compile(fn, dynamic=True if ALL_DYNAMIC else None)
+    return torch.compile(fn, dynamic=True if ALL_DYNAMIC else None, options=inductor_options())
+
+
+def inductor_options() -> dict[str, Any]:
+    # COMBO_KERNELS: Inductor's combo kernels, independent kernels of a graph launched as one (a
+    # layer's q RoPE, k RoPE + store and v store are three otherwise). A candidate (`--combo-kernels`).
+    return {"combo_kernels": True} if COMBO_KERNELS else {}
 
 
 ALL_DYNAMIC = False
+COMBO_KERNELS = False
 # Weights of the output, MLP and LM-head GEMMs stored [in, out] (`_fuse`)? None: on CUDA. False:
 # as loaded, [out, in] (the benchmarks' `--row-major` baseline); True: on any device (tests).
 COLUMN_WEIGHTS: bool | None = None
@@ -475,7 +494,7 @@ class StaticRunner:
             _fuse([head], columns=True)  # (a tied head stays: the embedding's rows are read by token)
         if self.packed:
             self.tw = [_pack_layer(w, layer) for w, layer in zip(self.tw, target.layers)]
-        self.norm_w = target.final_norm.weight
+        self.norm_w = target.final_norm.weight.detach()  # a tensor, not a Parameter: no recompile
         self.rotary = target.model.get_decoder().rotary_emb
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
         # The layer functions of passes in CUDA graphs, or of every pass without graphs (`_run`).
@@ -558,26 +577,29 @@ class StaticRunner:
             src = delta.conv_sources(depths, ancestors, lin.shape[1])
             parts: list[tuple[Tensor, ...]] = []
         taps: dict[int, Tensor] = {}
+        norms = [w.ln1 for w in self.tw[1:]] + [self.norm_w]  # what each layer's output is normalised by
+        h = rms_norm(x, self.tw[0].ln1, self.eps, self.tw[0].offset)  # each later layer's comes from `out_mlp`
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
                 li = len(parts)
                 mix = linear_mix if commit is not None else mix_f
-                o, part = mix(x, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
+                o, part = mix(h, w, self.eps, lin.conv[li], lin.rec[li], src, ancestors, commit, self.linear_dims)
                 parts.append(part)
                 gate = None
             else:
                 ai = i - (len(parts) if lin is not None else 0)
                 cos, sin = rot[kind]
-                qh, gate = qkv_f(x, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads,
-                                 self.head_dim, cache.layer(ai), slots)
+                make = qkv_fused if heads.available(h, self.head_dim, cos.shape[-1], w.gated, w.qkv is not None) else qkv_f
+                qh, gate = make(h, w, self.eps, cos[:, None], sin[:, None], self.heads, self.kv_heads, self.head_dim,
+                                cache.layer(ai), slots)
                 o = attend_f(qh, *cache.view(ai, n), masks[kind], self.scale)
             if self.moe[i] is None:
-                x = out_mlp_f(x, o, w, self.eps, gate)
+                x, h = out_mlp_f(x, o, w, self.eps, gate, norms[i])
             else:
                 x = out_proj_f(x, o, w, self.eps, gate)
                 x = x + self.moe[i](rms_norm(x, w.ln2, self.eps, w.offset))
+                h = rms_norm(x, norms[i], self.eps, w.offset)
             taps[i] = x
-        h = rms_norm(x, self.norm_w, self.eps, self.tw[-1].offset)
         taps[len(self.tw) - 1] = h  # as in Target.forward: the last layer is reported after the final norm
         block = None
         if lin is not None and commit is None:
@@ -585,18 +607,18 @@ class StaticRunner:
         return h, torch.cat([taps[i] for i in self.layer_ids], dim=-1), block
 
 
-def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor, src: Tensor, incl: Tensor,
+def linear_mix(h: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor, src: Tensor, incl: Tensor,
                commit: Tensor | None, dims: tuple[int, int, int]) -> tuple[Tensor, tuple[Tensor, ...]]:
     """A Gated DeltaNet token mixer over a verification block (see `decode/delta.py`), before its
-    output projection: x [b, t, H], the layer's conv window [b, K-1, C] and state [b, h, dk, dv]
-    -> ([b, t, h * dv], (conv inputs, k, d, G) for `LinearState.fold`).
+    output projection: h [b, t, H] (the layer's normalised input, as for `qkv`), the layer's conv
+    window [b, K-1, C] and state [b, h, dk, dv] -> ([b, t, h * dv], (conv inputs, k, d, G) for
+    `LinearState.fold`).
     commit [b] (a prefill, or an AR step's ones): the block is a chain whose first commit[i] tokens
     of row i are committed now; the state is updated here, in blocks of `delta.SUBCHUNK`, the rest
     of each row made inert (no decay, no update)."""
     m = w.mix
-    b, t, _ = x.shape
+    b, t, _ = h.shape
     key_heads, value_heads, dk = dims
-    h = rms_norm(x, w.ln1, eps, w.offset)
     C, Z = m.qkv.shape[0], m.z.shape[0]
     if m.proj is not None:
         mixed, z, bb, a = linear(h, m.proj).split([C, Z, value_heads, value_heads], dim=-1)
@@ -609,7 +631,7 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
         o, d, G = delta.block(q, k, v, g, beta, rec, incl)
         part: tuple[Tensor, ...] = (seq, k, d, G)
     else:
-        live = (torch.arange(t, device=x.device) < commit[:, None])[:, None]  # [b, 1, t]
+        live = (torch.arange(t, device=h.device) < commit[:, None])[:, None]  # [b, 1, t]
         g, beta = g * live, beta * live
         S, outs = rec, []
         for s in range(0, t, delta.SUBCHUNK):
@@ -621,10 +643,10 @@ def linear_mix(x: Tensor, w: LayerWeights, eps: float, conv: Tensor, rec: Tensor
         o = torch.cat(outs, dim=2)
         rec.copy_(S)
         K1 = conv.shape[1]  # the last K-1 committed inputs: slots commit .. commit + K-2 of seq
-        conv.copy_(seq.gather(1, (commit[:, None] + torch.arange(K1, device=x.device))[..., None].expand(-1, -1, C)))
+        conv.copy_(seq.gather(1, (commit[:, None] + torch.arange(K1, device=h.device))[..., None].expand(-1, -1, C)))
         part = ()
-    o = rms_norm(o.transpose(1, 2).to(x.dtype), m.norm, eps)  # [b, t, h, dv]; then the gate of Qwen3.5's norm
-    o = (o * F.silu(z.reshape(b, t, value_heads, -1).float())).to(x.dtype)
+    o = rms_norm(o.transpose(1, 2).to(h.dtype), m.norm, eps)  # [b, t, h, dv]; then the gate of Qwen3.5's norm
+    o = (o * F.silu(z.reshape(b, t, value_heads, -1).float())).to(h.dtype)
     return o.reshape(b, t, -1), part
 
 
@@ -672,7 +694,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         # Every size symbolic here: one compilation serves every context width and span. (Under
         # automatic dynamic shapes, bench_decode's staged run compiled it again after its warm-up
         # on an H200, 14.6 s; where a round's draft goes, its norms gained nothing measurable.)
-        engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True)
+        engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True, options=inductor_options())
     if graphs and drafter is not None:
         engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
         # One graph per (rows, context bucket, span): their outputs are read in their round, so

@@ -1,0 +1,100 @@
+"""A layer's query, key and value heads made from its fused q/k/v projection in one Triton kernel.
+
+After the q/k/v GEMM, a decoding pass of the static runner normalises the query and key heads
+(Qwen3's q_norm / k_norm), rotates them (RoPE), lays the queries out for the attention and writes
+keys and values into the cache. Compiled by Inductor that is four kernels per layer on an H200
+(the query and key heads and the value store have different sizes, so they do not fuse), each
+costing a launch and its latency for little work. Here one program per (token, head) does its
+head's part, so a layer launches one kernel: on a Qwen3-8B-shaped target a DFlash round went
+from 6.72 to 6.55 ms, 113 launches fewer (docs/benchmarks.md).
+
+`available` says where it runs: CUDA, Triton importable, q/k/v fused into one weight, heads of 64
+or 128 dims with RoPE on all of them, no gated attention (Qwen3.5 keeps `static.qkv`). Numerics
+follow `static.rms_norm` and `drafter.apply_rope` in fp32, rounded to the model's dtype after the
+norm and at the end (Inductor's fusion rounds the same way)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: `static.qkv` does it in PyTorch
+    triton = None
+
+ENABLED = True  # False: `static.qkv` everywhere (the benchmarks' `--unfused-heads` baseline)
+
+
+def available(y: Tensor, head_dim: int, rotary: int, gated: bool, fused: bool) -> bool:
+    return (ENABLED and triton is not None and y.is_cuda and fused and not gated and rotary == head_dim
+            and head_dim in (64, 128) and y.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _heads(y_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, T, eps,
+               sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr):
+        row, j = tl.program_id(0), tl.program_id(1)  # row = b * T + t; head j of [q heads; k heads; v heads]
+        b, t = row // T, row % T
+        half = tl.arange(0, D // 2)
+        src = y_ptr + row * (H + 2 * KV) * D + j * D
+        x1 = tl.load(src + half).to(tl.float32)
+        x2 = tl.load(src + D // 2 + half).to(tl.float32)
+        slot = tl.load(slot_ptr + row)
+        if j >= H + KV:  # a value head: stored as it is
+            dst = v_ptr + b * sv_b + (j - H - KV) * sv_h + slot * sv_n
+            tl.store(dst + half, x1.to(v_ptr.dtype.element_ty))
+            tl.store(dst + D // 2 + half, x2.to(v_ptr.dtype.element_ty))
+        else:
+            if NORM:
+                if j < H:
+                    w1 = tl.load(qn_ptr + half).to(tl.float32)
+                    w2 = tl.load(qn_ptr + D // 2 + half).to(tl.float32)
+                else:
+                    w1 = tl.load(kn_ptr + half).to(tl.float32)
+                    w2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
+                r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+                if OFFSET:  # (1 + w) in fp32, then rounded
+                    x1 = x1 * r * (1.0 + w1)
+                    x2 = x2 * r * (1.0 + w2)
+                else:  # rounded to the dtype, then times w (Transformers' Llama/Qwen3 order)
+                    x1 = (x1 * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w1
+                    x2 = (x2 * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w2
+                x1 = x1.to(y_ptr.dtype.element_ty).to(tl.float32)
+                x2 = x2.to(y_ptr.dtype.element_ty).to(tl.float32)
+            c1 = tl.load(cos_ptr + row * D + half).to(tl.float32)
+            c2 = tl.load(cos_ptr + row * D + D // 2 + half).to(tl.float32)
+            s1 = tl.load(sin_ptr + row * D + half).to(tl.float32)
+            s2 = tl.load(sin_ptr + row * D + D // 2 + half).to(tl.float32)
+            o1 = x1 * c1 - x2 * s1  # x cos + rotate_half(x) sin
+            o2 = x2 * c2 + x1 * s2
+            if j < H:  # query head j = kv head j // g, folded at (j % g) * T + t (`static.qkv`'s layout)
+                g = H // KV
+                dst = q_ptr + ((b * KV + j // g) * g * T + (j % g) * T + t) * D
+                tl.store(dst + half, o1.to(q_ptr.dtype.element_ty))
+                tl.store(dst + D // 2 + half, o2.to(q_ptr.dtype.element_ty))
+            else:
+                dst = k_ptr + b * sk_b + (j - H) * sk_h + slot * sk_n
+                tl.store(dst + half, o1.to(k_ptr.dtype.element_ty))
+                tl.store(dst + D // 2 + half, o2.to(k_ptr.dtype.element_ty))
+
+
+def heads(y: Tensor, qn: Tensor | None, kn: Tensor | None, offset: bool, eps: float, cos: Tensor, sin: Tensor,
+          k: Tensor, v: Tensor, slots: Tensor, num_heads: int, kv_heads: int) -> Tensor:
+    """y [b, t, (H + 2 KV) d] (the fused projection's output), cos/sin [b, t, d], the layer's cache
+    k/v [b, KV, capacity, d], slots [b, t] -> q [b, KV, g t, d] (`static.qkv`'s layout); keys
+    (normalised, rotated) and values written into k/v at the slots."""
+    b, t, _ = y.shape
+    d = k.shape[-1]
+    y, cos, sin, slots = (x.contiguous() for x in (y, cos, sin, slots))
+    q = y.new_empty(b, kv_heads, (num_heads // kv_heads) * t, d)
+    norm = qn is not None
+    _heads[(b * t, num_heads + 2 * kv_heads)](
+        y, qn if norm else y, kn if norm else y, cos, sin, q, k, v, slots, t, eps,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        H=num_heads, KV=kv_heads, D=d, NORM=norm, OFFSET=offset)
+    return q

@@ -1,0 +1,77 @@
+"""The one-kernel q/k/v heads (`decode/heads.py`, Triton) equal `static.qkv` in PyTorch: the
+queries in the attention's layout and the keys and values written into the cache at ragged slots,
+for Qwen3's head norms, Gemma's (1 + w) norms and no head norms (Llama). On CUDA in bf16,
+elsewhere through Triton's interpreter (fp32 and fp16) in a subprocess, since the interpreter is
+chosen when the kernels are defined."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflashkit.decode import heads
+
+pytestmark = pytest.mark.skipif(heads.triton is None, reason="Triton is not installed")
+
+CASES = [  # (rows, tokens, heads, kv heads, head dim, head norms, offset)
+    (1, 16, 4, 2, 128, True, False),  # Qwen3: a DFlash block
+    (2, 5, 6, 2, 64, True, True),  # Gemma 3: norms of (1 + w)
+    (3, 1, 4, 4, 64, False, False),  # Llama: no head norms, an AR step of a ragged batch
+]
+
+
+def check(dtype: torch.dtype, device: str) -> None:
+    from dflashkit.decode.cache import LayerKV
+    from dflashkit.decode.static import LayerWeights, qkv, qkv_fused
+
+    g = torch.Generator().manual_seed(0)
+    for b, t, H, KV, d, norms, offset in CASES:
+        hidden, cap = 96, 40
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(device, dtype)
+
+        qn, kn = (rand(d) if norms else None for _ in range(2))
+        w = LayerWeights(ln1=rand(hidden), q=None, qb=None, k=None, kb=None, v=None, vb=None, qn=qn, kn=kn,
+                         o=rand(hidden, H * d), ob=None, ln2=rand(hidden), gate=None, gb=None, up=None, ub=None,
+                         down=None, db=None, qkv=rand((H + 2 * KV) * d, hidden) / hidden ** 0.5, offset=offset)
+        h = rand(b, t, hidden)
+        angles = torch.rand(b, t, d // 2, generator=g) * 6
+        cos, sin = (f(torch.cat([angles, angles], -1)).to(device, dtype)[:, None] for f in (torch.cos, torch.sin))
+        lengths = torch.randint(0, cap - t, (b,), generator=g)
+        slots = (lengths[:, None] + torch.arange(t)).to(device)
+        caches = []
+        for make in (qkv, qkv_fused):
+            kv = LayerKV(rand(b, KV, cap, d), rand(b, KV, cap, d))  # garbage around the slots must stay
+            before = (kv.k.clone(), kv.v.clone())
+            q, gate = make(h, w, 1e-6, cos, sin, H, KV, d, kv, slots)
+            assert gate is None
+            caches.append((q, kv, before))
+        (q_ref, kv_ref, _), (q, kv, before) = caches
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(q, q_ref, rtol=tol, atol=tol)
+        written = torch.zeros(b, cap, dtype=torch.bool)
+        written[torch.arange(b)[:, None], slots.cpu()] = True
+        for new, ref, old in ((kv.k, kv_ref.k, before[0]), (kv.v, kv_ref.v, before[1])):
+            new, ref, old = (x.transpose(1, 2).cpu() for x in (new, ref, old))  # [b, cap, KV, d]
+            torch.testing.assert_close(new[written], ref[written], rtol=tol, atol=tol)
+            assert torch.equal(new[~written], old[~written])  # nothing else touched
+        if norms:  # the norms matter: the reference without them differs
+            plain = qkv(h, w._replace(qn=None, kn=None), 1e-6, cos, sin, H, KV, d, kv_ref, slots)[0]
+            assert (plain - q_ref).abs().max() > 100 * tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_heads_kernel_on_cuda():
+    check(torch.bfloat16, "cuda")
+
+
+def test_heads_kernel_in_triton_interpreter():
+    code = "import torch, test_heads as t\nt.check(torch.float32, 'cpu')\nt.check(torch.float16, 'cpu')\n"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
