@@ -399,20 +399,22 @@ def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_toke
             "peak_extra_mib": peak}
 
 
+SWITCHES = {  # flag -> the former code path or candidate it selects
+    "--all-dynamic": "compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as "
+                     "before automatic dynamic shapes (`static.compiled`)",
+    "--row-major": "keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were stored "
+                   "[in, out] on CUDA (`static.COLUMN_WEIGHTS`)",
+    "--combo-kernels": "compile with Inductor's combo kernels (independent kernels of a compiled function launched as "
+                       "one; `static.COMBO_KERNELS`)",
+    "--unfused-heads": "make the q/k/v heads (norms, RoPE, cache stores) with the compiled PyTorch code, several "
+                       "kernels a layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)",
+}
+
+
 def add_baseline_options(ap: argparse.ArgumentParser) -> None:
     """Other code paths of the static engine (former ones, or candidates), for side-by-side comparisons."""
-    ap.add_argument("--all-dynamic", action="store_true",
-                    help="compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as before "
-                    "automatic dynamic shapes (`static.compiled`)")
-    ap.add_argument("--row-major", action="store_true",
-                    help="keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were "
-                    "stored [in, out] on CUDA (`static.COLUMN_WEIGHTS`)")
-    ap.add_argument("--combo-kernels", action="store_true",
-                    help="compile with Inductor's combo kernels (independent kernels of a compiled function launched "
-                    "as one; `static.COMBO_KERNELS`)")
-    ap.add_argument("--unfused-heads", action="store_true",
-                    help="make q/k/v heads (norms, RoPE, cache stores) with the compiled PyTorch code, three kernels a "
-                    "layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)")
+    for flag, text in SWITCHES.items():
+        ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument("--few-attention", choices=("auto", "fused", "written"), default="auto",
                     help="one-row passes of few queries: 'auto' attends through the fused Triton kernel over "
                     "caches of `few_attention.FROM_KEYS` slots or more and writes q k^T, softmax and p v out below; "
@@ -425,10 +427,8 @@ def apply_baseline_options(args: argparse.Namespace) -> dict:
     static_mod.COMBO_KERNELS = args.combo_kernels
     heads_mod.ENABLED = not args.unfused_heads
     few_attention.FROM_KEYS = {"auto": few_attention.FROM_KEYS, "fused": 0, "written": None}[args.few_attention]
-    return {"all_dynamic": args.all_dynamic, "row_major": args.row_major, "combo_kernels": args.combo_kernels,
-            "unfused_heads": args.unfused_heads,
-            "few_attention": args.few_attention,
-            "few_attention_from_keys": few_attention.FROM_KEYS}
+    switches = {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in SWITCHES)}
+    return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS}
 
 
 def main() -> int:
