@@ -85,7 +85,7 @@ if triton is not None:
 
 def heads(y: Tensor, qn: Tensor | None, kn: Tensor | None, offset: bool, eps: float, cos: Tensor, sin: Tensor,
           k: Tensor, v: Tensor, slots: Tensor, num_heads: int, kv_heads: int) -> Tensor:
-    """y [b, t, (H + 2 KV) d] (the fused projection's output), cos/sin [b, t, d], the layer's cache
+    """y [b, t, (H + 2 KV) d] (the fused projection's output), cos/sin [b, (1,) t, d], the layer's cache
     k/v [b, KV, capacity, d], slots [b, t] -> q [b, KV, g t, d] (`static.qkv`'s layout); keys
     (normalised, rotated) and values written into k/v at the slots."""
     b, t, _ = y.shape

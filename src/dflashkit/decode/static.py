@@ -282,29 +282,29 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
-def qkv(h: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
+def qkv(h: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, num_heads: int, kv_heads: int,
         head_dim: int, kv: LayerKV, slots: Tensor) -> tuple[Tensor, Tensor | None]:
     """h [b, t, H] (the layer's input, normalised by the previous layer's `out_mlp`) -> q [b,
-    kv_heads, g * t, d] (the g = heads / kv_heads query heads of each KV group folded into the
-    query axis, for `attend`) and the output gate [b, t, heads * d] of a gated attention (else
+    kv_heads, g * t, d] (the g = num_heads / kv_heads query heads of each KV group folded into the
+    query axis, for `attend`) and the output gate [b, t, num_heads * d] of a gated attention (else
     None); k and v (RoPE applied) are written into the layer's cache at slots [b, t] here, so that
     a compiled layer function makes and stores them in one kernel."""
     b, t, _ = h.shape
-    q_rows = heads * head_dim * (2 if w.gated else 1)
+    q_rows = num_heads * head_dim * (2 if w.gated else 1)
     if w.qkv is not None:
         yq, yk, yv = linear(h, w.qkv).split([q_rows, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     else:
         yq, yk, yv = linear(h, w.q, w.qb), linear(h, w.k, w.kb), linear(h, w.v, w.vb)
     gate = None
     if w.gated:
-        yq, gate = yq.reshape(b, t, heads, 2 * head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(b, t, heads * head_dim)
+        yq, gate = yq.reshape(b, t, num_heads, 2 * head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(b, t, num_heads * head_dim)
 
     def heads_first(y: Tensor, n: int, norm: Tensor | None) -> Tensor:
         y = y.reshape(b, t, n, head_dim)
         return (y if norm is None else rms_norm(y, norm, eps, w.offset)).transpose(1, 2)
 
-    q = rope(heads_first(yq, heads, w.qn), cos, sin).reshape(b, kv_heads, (heads // kv_heads) * t, head_dim)
+    q = rope(heads_first(yq, num_heads, w.qn), cos, sin).reshape(b, kv_heads, (num_heads // kv_heads) * t, head_dim)
     kv.write(rope(heads_first(yk, kv_heads, w.kn), cos, sin), heads_first(yv, kv_heads, None), slots)
     return q, gate
 
@@ -372,8 +372,8 @@ def compiled(fn: Callable) -> Callable:
 
 
 def inductor_options() -> dict[str, Any]:
-    # COMBO_KERNELS: Inductor's combo kernels, independent kernels of a graph launched as one (a
-    # layer's q RoPE, k RoPE + store and v store are three otherwise). A candidate (`--combo-kernels`).
+    # COMBO_KERNELS: Inductor's combo kernels, independent kernels of a graph launched as one. A
+    # candidate (`--combo-kernels`): on an H200 fewer launches, but no faster round (docs/benchmarks.md).
     return {"combo_kernels": True} if COMBO_KERNELS else {}
 
 
