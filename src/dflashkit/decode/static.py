@@ -494,7 +494,9 @@ class StaticRunner:
             _fuse([head], columns=True)  # (a tied head stays: the embedding's rows are read by token)
         if self.packed:
             self.tw = [_pack_layer(w, layer) for w, layer in zip(self.tw, target.layers)]
-        self.norm_w = target.final_norm.weight.detach()  # a tensor, not a Parameter: no recompile
+        # What each layer's output is normalised by in `out_mlp`: the next layer's input norm, the
+        # final norm last (detached like the others: a Parameter would compile `out_mlp` again).
+        self.next_norms = [w.ln1 for w in self.tw[1:]] + [target.final_norm.weight.detach()]
         self.rotary = target.model.get_decoder().rotary_emb
         self.moe = [layer.mlp if sparse_mlp(layer) else None for layer in target.layers]
         # The layer functions of passes in CUDA graphs, or of every pass without graphs (`_run`).
@@ -577,7 +579,6 @@ class StaticRunner:
             src = delta.conv_sources(depths, ancestors, lin.shape[1])
             parts: list[tuple[Tensor, ...]] = []
         taps: dict[int, Tensor] = {}
-        norms = [w.ln1 for w in self.tw[1:]] + [self.norm_w]  # what each layer's output is normalised by
         h = rms_norm(x, self.tw[0].ln1, self.eps, self.tw[0].offset)  # each later layer's comes from `out_mlp`
         for i, (w, kind) in enumerate(zip(self.tw, self.kinds)):
             if w.mix is not None:
@@ -594,11 +595,11 @@ class StaticRunner:
                                 cache.layer(ai), slots)
                 o = attend_f(qh, *cache.view(ai, n), masks[kind], self.scale)
             if self.moe[i] is None:
-                x, h = out_mlp_f(x, o, w, self.eps, gate, norms[i])
+                x, h = out_mlp_f(x, o, w, self.eps, gate, self.next_norms[i])
             else:
                 x = out_proj_f(x, o, w, self.eps, gate)
                 x = x + self.moe[i](rms_norm(x, w.ln2, self.eps, w.offset))
-                h = rms_norm(x, norms[i], self.eps, w.offset)
+                h = rms_norm(x, self.next_norms[i], self.eps, w.offset)
             taps[i] = x
         taps[len(self.tw) - 1] = h  # as in Target.forward: the last layer is reported after the final norm
         block = None
