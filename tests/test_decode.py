@@ -875,6 +875,18 @@ def test_rounds_without_a_draft_leave_the_drafter_its_whole_context(tiny_target,
     torch.testing.assert_close(got, ref_eng.draft(ref_bonus).logits, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_an_autoregressive_stream_keeps_no_growing_draft_context(tiny_target, engine):
+    """An AR stream on an engine that holds a drafter (a server's engine): no draft reads its
+    rounds' features, so the drafter's context must not grow by a position per step (each step
+    copied all of it: time and memory growing with the answer)."""
+    prompts = ragged_prompts(5)
+    eng = ENGINES[engine](tiny_target, make_tiny_drafter(tiny_target))
+    gens = generate_batch(eng, prompts, max_new_tokens=30, method="ar")
+    assert [g.tokens for g in gens] == [greedy_reference(tiny_target, p, 30) for p in prompts]
+    assert eng.pending.shape[1] == 1
+
+
 @pytest.mark.parametrize("engine,full_only", [("hf", False), ("static", False), ("static", True)])
 def test_cost_aware_rounds_without_a_draft_are_lossless(tiny_target, engine, full_only, monkeypatch):
     """Rounds that skip the draft, mixed with rounds that draft (here: drafting every third

@@ -334,9 +334,11 @@ class Engine:
         hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
         return self.lm_head(hidden)
 
-    def commit(self, paths: Sequence[Sequence[int]]) -> None:
+    def commit(self, paths: Sequence[Sequence[int]], context: bool = True) -> None:
         """Row i keeps the verified nodes paths[i] (root first; empty for an idle row); their
-        features are the drafter's next context."""
+        features are the drafter's next context. context: False in an autoregressive stream,
+        where no draft reads them: the context then stays one round's, where it would grow by a
+        round's features at every step (a copy of all of it each time)."""
         plan = self.cache.commit(paths, self.verified.shape[1], self.commit_step)
         q = max(len(p) for p in paths)
         if all(is_chain(p) for p in paths):
@@ -344,7 +346,7 @@ class Engine:
         else:  # the plan's first q columns: each path, padded with nodes whose features are never read
             new = self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
         counts = [len(p) for p in paths]
-        if self.pending_read or self.drafter is None:
+        if self.pending_read or self.drafter is None or not context:
             self.pending, self.pending_counts = new, counts
         else:  # a round without a draft (cost-aware decoding): the drafter's next context grows
             self.pending, self.pending_counts = ragged_cat(self.pending, self.pending_counts, new, counts)

@@ -387,7 +387,7 @@ def decode_stream(
         rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
                      not (drafted and engine.caught_up), drafted and scored)
         if not drafted:  # each running row keeps its one node
-            engine.commit([range(1) if run else range(0) for run in running])
+            engine.commit([range(1) if run else range(0) for run in running], context=method != "ar")
         else:  # each row's path as the walk left it on the device: the next round can queue behind
             if running_t is None or running_t[0] != running:
                 running_t = (list(running), to_device([int(r) for r in running], dev))
