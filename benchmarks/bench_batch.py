@@ -2,7 +2,9 @@
 with the bundled drafter, first N HumanEval prompts through the chat template (as `dflashkit eval`).
 
 Each configuration decodes the same N prompts in consecutive groups of `batch` (the last group
-may be smaller) with `decode.loop.generate_batch` on one engine (`--engine`; 'auto' is the static
+may be smaller), or with `--continuous` through `batch` rows that take the next prompt as soon as
+one ends (a group waits for its slowest row: at τ ≈ 2.7 some rows need half as many rounds again
+as the mean), with `decode.loop.generate_batch` on one engine (`--engine`; 'auto' is the static
 runner with CUDA graphs on a GPU). Rows stop at the target's stop tokens or `--max-new-tokens`, so
 batches shrink as rows finish. tokens/s = generated tokens / wall time including prefill;
 "vs AR" is against AR at the same batch size, "speed-up" against AR at batch 1. Each
@@ -46,15 +48,17 @@ def parse_method(label: str) -> tuple[str, int | None]:
 
 
 def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
-            stop_ids: set[int]) -> tuple[float, list[Generation]]:
+            stop_ids: set[int], continuous: bool = False) -> tuple[float, list[Generation]]:
     method, budget = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    if continuous:  # every prompt through `batch` rows, a finished row's place to the next prompt
+        groups, kw["rows"] = [prompts], batch
     for grp in groups:  # an untimed pass over the same work: graph capture and compilation stay out of the numbers
-        generate_batch(engine, grp, method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        generate_batch(engine, grp, **kw)
     sync(engine.target.device)
     t0 = time.perf_counter()
-    gens = [g for grp in groups for g in generate_batch(engine, grp, method=method, budget=budget,
-                                                        max_new_tokens=max_new_tokens, stop_ids=stop_ids)]
+    gens = [g for grp in groups for g in generate_batch(engine, grp, **kw)]
     sync(engine.target.device)
     return time.perf_counter() - t0, gens
 
@@ -75,6 +79,10 @@ def main() -> None:
     p.add_argument("--methods", default="ar,dflash,ddtree-16", help="comma list of ar, dflash, ddtree-N")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "static"))
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--continuous", action="store_true",
+                   help="continuous batching (as `serve`): every prompt through `batch` rows, a finished row's "
+                   "place going to the next prompt, instead of consecutive groups that each run to their "
+                   "longest row")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
@@ -101,7 +109,7 @@ def main() -> None:
     for batch in sizes:
         for method in methods:
             eng = engines["ar" if method == "ar" else "spec"]
-            seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops)
+            seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops, args.continuous)
             ar_at.setdefault(batch, gens)
             tokens = sum(len(g.tokens) for g in gens)
             rounds = sum(g.rounds for g in gens)
@@ -115,7 +123,8 @@ def main() -> None:
         r["speedup"] = r["tokens_per_s"] / base
         r["vs_ar"] = r["tokens_per_s"] / next(a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"])["tokens_per_s"]
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype,
+    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "continuous": args.continuous,
+                "device": device, "dtype": args.dtype,
                 "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
                 "drafter": str(args.drafter or "bundled smollm2-drafter")}

@@ -265,7 +265,8 @@ def accept_everything(trees, anc, picked, chain=False):
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
                device: torch.device, kernels: int = 0) -> dict:
     """DFlash rounds of the `fused-cd` engine (what `make_engine` gives on CUDA; the static engine
-    elsewhere) at each batch size: τ = 1 (random drafts) and every draft accepted (`accept_everything`). Accepting everything, a generation
+    elsewhere) at each batch size: τ = 1 (random drafts) and every draft accepted (`accept_everything`),
+    beside an AR step at the same batch size (what a round must beat). Accepting everything, a generation
     runs B times the tokens, so that both kinds time as many rounds (three rounds of 16 tokens
     were noise: their draft stage varied by 3 ms from one batch size to the next)."""
     from dflashkit.decode import loop
@@ -273,25 +274,26 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
     make = engines(device, compile_ok=True).get("fused-cd") or engines(device, compile_ok=False)["static"]
     out: dict = {}
     for b in batches:
-        for kind in ("tau1", "accept-all"):
+        for kind in ("ar", "tau1", "accept-all"):
+            method = "ar" if kind == "ar" else "dflash"
             eng = make(target, drafter)
             loop.walk = accept_everything if kind == "accept-all" else walk
             prompts = [ids[0]] * b
             n = new_tokens * (drafter.config.block_size if kind == "accept-all" else 1)
-            generate_batch(eng, prompts, max_new_tokens=n, method="dflash")  # capture graphs / compile
+            generate_batch(eng, prompts, max_new_tokens=n, method=method)  # capture graphs / compile
             sync(device)
-            gens = generate_batch(eng, prompts, max_new_tokens=n, method="dflash")
-            prof = generate_batch(eng, prompts, max_new_tokens=n, method="dflash", profile=True)[0]
-            if kernels and kind == "tau1":
-                out[f"b{b}-kernels"] = kernel_table(
-                    lambda: generate_batch(eng, prompts, max_new_tokens=n, method="dflash")[0], device, kernels)
+            gens = generate_batch(eng, prompts, max_new_tokens=n, method=method)
+            prof = generate_batch(eng, prompts, max_new_tokens=n, method=method, profile=True)[0]
+            if kernels and kind != "accept-all":
+                out[f"b{b}-{kind}-kernels" if kind == "ar" else f"b{b}-kernels"] = kernel_table(
+                    lambda: generate_batch(eng, prompts, max_new_tokens=n, method=method)[0], device, kernels)
             loop.walk = walk
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
                  "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds,
                  "stages_ms": {k: 1e3 * v / prof.rounds for k, v in prof.stage_seconds.items()}}
             out[f"b{b}-{kind}"] = r
-            print(f"batch {b:3d} dflash {kind:10s} round {r['round_ms']:7.2f} ms  tau {r['tau']:5.2f}  "
+            print(f"batch {b:3d} {kind:10s} round {r['round_ms']:7.2f} ms  tau {r['tau']:5.2f}  "
                   f"{r['tokens_per_s']:9.1f} tokens/s  | " + " ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items()),
                   flush=True)
             del eng
@@ -408,6 +410,8 @@ SWITCHES = {  # flag -> the former code path or candidate it selects
                        "one; `static.COMBO_KERNELS`)",
     "--unfused-heads": "make the q/k/v heads (norms, RoPE, cache stores) with the compiled PyTorch code, several "
                        "kernels a layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)",
+    "--sdpa-rows": "passes of several rows attend through SDPA (cuDNN inside CUDA graphs, the output permuted "
+                   "after it) instead of the fused few-query kernel (`few_attention.ROWS`)",
 }
 
 
@@ -418,7 +422,8 @@ def add_baseline_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--few-attention", choices=("auto", "fused", "written"), default="auto",
                     help="one-row passes of few queries: 'auto' attends through the fused Triton kernel over "
                     "caches of `few_attention.FROM_KEYS` slots or more and writes q k^T, softmax and p v out below; "
-                    "'fused' / 'written' use one of them at every length")
+                    "'fused' / 'written' use one of them at every length ('written': passes of several rows "
+                    "through SDPA)")
 
 
 def apply_baseline_options(args: argparse.Namespace) -> dict:
@@ -427,6 +432,7 @@ def apply_baseline_options(args: argparse.Namespace) -> dict:
     static_mod.COMBO_KERNELS = args.combo_kernels
     heads_mod.ENABLED = not args.unfused_heads
     few_attention.FROM_KEYS = {"auto": few_attention.FROM_KEYS, "fused": 0, "written": None}[args.few_attention]
+    few_attention.ROWS = not args.sdpa_rows
     switches = {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in SWITCHES)}
     return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS}
 

@@ -29,6 +29,7 @@ def check(dtype: torch.dtype, device: str) -> None:
     from dflashkit.decode.tree import visibility
 
     g = torch.Generator().manual_seed(0)
+    spread = few_attention.FILL
     for b, kv, grp, t, n, d in CASES:
         lengths = torch.randint(n // 3, n // 2, (b,), generator=g)  # a long invisible tail: the mask matters
         depths = torch.arange(t).repeat(b, 1)
@@ -37,10 +38,17 @@ def check(dtype: torch.dtype, device: str) -> None:
         q = torch.randn(b, kv, grp * t, d, generator=g).to(device, dtype)
         k, v = (torch.randn(b, kv, n, d, generator=g).to(device, dtype) for _ in range(2))
         want = attend(q.float(), k.float(), v.float(), mask.float(), d ** -0.5)
-        got = few_attention.attend(q, k, v, mask, d ** -0.5)
-        assert got.shape == want.shape and got.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        for fill in (spread, 1):  # spans of keys and a combine; one span written directly
+            few_attention.FILL = fill
+            got = few_attention.attend(q, k, v, mask, d ** -0.5)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+            # each token's heads in order, as the output projection reads them
+            tokens = few_attention.attend(q, k, v, mask, d ** -0.5, t)
+            by_token = want.reshape(b, kv, grp, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv * grp * d)
+            torch.testing.assert_close(tokens.float(), by_token, rtol=tol, atol=tol)
+        few_attention.FILL = spread
         # the mask matters: without it the output differs (by more than the tolerance, many times over)
         unmasked = few_attention.attend(q, k, v, torch.zeros_like(mask), d ** -0.5).float()
         assert (unmasked - want).abs().max() > 100 * 1e-5

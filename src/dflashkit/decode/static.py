@@ -25,12 +25,14 @@ from __future__ import annotations
 import copy
 import gc
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflashkit import few_attention
 from dflashkit.decode import delta, heads
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends, small
@@ -561,7 +563,11 @@ class StaticRunner:
               commit: Tensor | None, compiled: bool) -> tuple[Tensor, Tensor, delta.Block | None]:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
         qkv_f, out_mlp_f, out_proj_f, mix_f, few_f = self.compiled if compiled else LAYER_FUNCTIONS
-        attend_f = few_f if dev.type == "cuda" and tokens.shape[0] == 1 and q <= FEW_QUERIES else attend
+        attend_f = attend  # SDPA; passes of few queries on CUDA: the fused kernel, else one row written out
+        if q <= FEW_QUERIES and few_attention.use(tokens.shape[0], q, n, self.head_dim, self.target.dtype, dev):
+            attend_f = partial(few_attention.attend, tokens=q)  # [b, q, heads * d]: no permute after it
+        elif q <= FEW_QUERIES and dev.type == "cuda" and tokens.shape[0] == 1:
+            attend_f = few_f
         g = self.heads // self.kv_heads
         kinds = set(self.kinds) - {"linear_attention"}
         masks = {kind: folded_mask(visibility(lengths, depths, ancestors, n, self.window if kind == "sliding_attention"
