@@ -217,7 +217,7 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> T
     (benchmarks/bench_attention.py, docs/benchmarks.md). Over long caches
     (`few_attention.FROM_KEYS`; CUDA, bf16/fp16, Triton) `few_attention.attend` fuses the three
     into one pass over the keys and a combine instead: it never writes the scores out."""
-    if few_attention.use(q.shape[0], 2, k.shape[-2], q.shape[-1], q.dtype, q.device):  # (a drafter's block)
+    if few_attention.use(q.shape[0], k.shape[-2], q.shape[-1], q.dtype, q.device):
         return few_attention.attend(q, k, v, mask, scale)
     s = (q @ k.transpose(-1, -2)).float() * scale + mask
     return s.softmax(-1).to(v.dtype) @ v

@@ -31,9 +31,9 @@ except ImportError:  # CPU-only installs: `drafter.attend_few` writes the attent
 
 SPLIT = 128  # keys per program at least: at 768 slots, 6 programs per KV head and query tile
 MAX_SPANS = 16  # past 16 x 128 slots, spans grow (powers of two) instead: partial sums stay small
-FILL = 256  # programs wanted: spans are added until the (query tile, row, KV head) programs reach it
+FILL = 256  # programs wanted: spans are added until the (row, KV head) pairs times spans reach it
 BLOCK_N = 64  # keys per inner step
-BLOCK_G = 64  # folded queries per program at most (at least 16 for tl.dot: an AR step's 4 take 16)
+BLOCK_G = 64  # folded queries per program (an AR step's few too: see `attend`)
 
 
 # Keys from which the fused kernel replaces the written-out attention in a one-row pass (None:
@@ -44,15 +44,17 @@ FROM_KEYS: int | None = 6144
 ROWS = True
 
 
-def use(rows: int, queries: int, keys: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+def use(rows: int, keys: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a pass of few queries per row attends through `attend`: on CUDA with Triton, head
     dim 64 or 128, bf16 or fp16; a pass of several rows at any length (cuDNN's kernel and its
     memset cost 12.6 against 11.3 us at SmolLM2's heads, 32 rows of 16 queries over 512 slots),
-    an AR step, and one row of more queries from `FROM_KEYS` slots."""
+    one row from `FROM_KEYS` slots. The rule does not look at the queries: an AR step and a
+    verification attend through the same kernel, whose arithmetic per query is the same for any
+    query count (bf16 greedy outputs then part from AR's only where the GEMMs round apart)."""
     if FROM_KEYS is None or triton is None or device.type != "cuda" or head_dim not in (64, 128) \
             or dtype not in (torch.bfloat16, torch.float16):
         return False
-    return (rows > 1 and ROWS) or queries == 1 or keys >= FROM_KEYS
+    return (rows > 1 and ROWS) or keys >= FROM_KEYS
 
 
 if triton is not None:
@@ -142,9 +144,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, tokens: 
     q, k, v, mask = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, mask))
     b, heads, G, D = q.shape
     N = k.shape[2]
-    bg = max(16, min(BLOCK_G, triton.next_power_of_2(G)))
-    tiles = triton.cdiv(G, bg)
-    wanted = min(MAX_SPANS, triton.cdiv(N, SPLIT), triton.cdiv(FILL, tiles * b * heads))
+    # Query tiles of BLOCK_G and spans that do not depend on the query count: a query's arithmetic
+    # (its tl.dot shapes, its spans of keys) is the same in an AR step as in a verification.
+    tiles = triton.cdiv(G, BLOCK_G)
+    wanted = min(MAX_SPANS, triton.cdiv(N, SPLIT), triton.cdiv(FILL, b * heads))
     span = max(SPLIT, triton.next_power_of_2(triton.cdiv(N, wanted)))
     spans = triton.cdiv(N, span)
     out = q.new_empty(_shape(q, tokens))
@@ -161,10 +164,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, tokens: 
         q, k, v, mask, acc, stats, out, G, N, T, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(2), mask.stride(3), *so,
-        H=heads, D=D, BG=bg, BN=BLOCK_N, SPAN=span, DIRECT=spans == 1)
+        H=heads, D=D, BG=BLOCK_G, BN=BLOCK_N, SPAN=span, DIRECT=spans == 1)
     if spans > 1:
         _combine[(tiles, b * heads)](acc, stats, out, G, spans, T, *so,
-                                     H=heads, D=D, BG=bg, SP=triton.next_power_of_2(spans))
+                                     H=heads, D=D, BG=BLOCK_G, SP=triton.next_power_of_2(spans))
     return out
 
 

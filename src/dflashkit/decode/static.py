@@ -564,7 +564,7 @@ class StaticRunner:
         q, dev, cache = tokens.shape[1], tokens.device, self.cache
         qkv_f, out_mlp_f, out_proj_f, mix_f, few_f = self.compiled if compiled else LAYER_FUNCTIONS
         attend_f = attend  # SDPA; passes of few queries on CUDA: the fused kernel, else one row written out
-        if q <= FEW_QUERIES and few_attention.use(tokens.shape[0], q, n, self.head_dim, self.target.dtype, dev):
+        if q <= FEW_QUERIES and few_attention.use(tokens.shape[0], n, self.head_dim, self.target.dtype, dev):
             attend_f = partial(few_attention.attend, tokens=q)  # [b, q, heads * d]: no permute after it
         elif q <= FEW_QUERIES and dev.type == "cuda" and tokens.shape[0] == 1:
             attend_f = few_f
