@@ -8,8 +8,8 @@ scores it writes out ([kv, g*t, n] in fp32) cost more than the keys. Here (Flash
 scheme) one Triton kernel gives each (query tile, row, KV head, span of keys) a program that
 computes its scores, an online softmax and its share of p v in fp32; a second kernel weighs the
 spans' partial sums by their maxima and normalisers: 39 µs at 16,384 slots. Keys are split into
-spans only until the GPU has enough programs: a batch of rows fills it with one span each, and
-then the first kernel writes the output itself (no partial sums, no second launch). Scores are
+spans only until the GPU has `FILL` programs: from there on (a large batch of rows) the first
+kernel writes the output itself, one span each (no partial sums, no second launch). Scores are
 taken in fp32 from the bf16 products (the written-out path rounds q kᵀ to bf16 first).
 
 Layout as `attend_few`'s: q [b, kv, G, d] (the G = g * t query heads of a KV group folded into
