@@ -15,7 +15,8 @@ heads, 8 KV heads, head dim 128), and checks each against the math reference:
 - `flex`: FlexAttention with the mask as a score modification (Triton; short queries take its
   split-KV decoding kernel);
 - `fused`: `few_attention.attend`, one Triton pass over spans of keys and a combine (what the
-  engine uses on CUDA from `few_attention.FROM_KEYS` slots; below, it writes the attention out).
+  engine uses on CUDA for passes of several rows, and for one row from `few_attention.FROM_KEYS`
+  slots; one row below that, it writes the attention out).
 
     python3 benchmarks/bench_attention.py --queries 16,65 --keys 768 --batches 1,16 --json out.json
     python3 benchmarks/bench_attention.py --queries 1,16,65 --keys 4096,16384 --only compiled,fused
