@@ -39,14 +39,15 @@ def check(dtype: torch.dtype, device: str) -> None:
         k, v = (torch.randn(b, kv, n, d, generator=g).to(device, dtype) for _ in range(2))
         want = attend(q.float(), k.float(), v.float(), mask.float(), d ** -0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        for fill in (spread, 1):  # spans of keys and a combine; one span written directly
+        got = few_attention.attend(q, k, v, mask, d ** -0.5)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        # each token's heads in order, as the output projection reads them: from spans of keys and a
+        # combine, and from one span written directly
+        by_token = want.reshape(b, kv, grp, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv * grp * d)
+        for fill in (spread, 1):
             few_attention.FILL = fill
-            got = few_attention.attend(q, k, v, mask, d ** -0.5)
-            assert got.shape == want.shape and got.dtype == dtype
-            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-            # each token's heads in order, as the output projection reads them
             tokens = few_attention.attend(q, k, v, mask, d ** -0.5, t)
-            by_token = want.reshape(b, kv, grp, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv * grp * d)
             torch.testing.assert_close(tokens.float(), by_token, rtol=tol, atol=tol)
         few_attention.FILL = spread
         # a token's queries alone (an AR step) get bit for bit on CUDA what they get inside the block
@@ -54,7 +55,7 @@ def check(dtype: torch.dtype, device: str) -> None:
         # kernels round apart (the interpreter's numpy products may group a row's sums by position)
         last = slice(t - 1, None, t)  # the last token's g queries in the folded layout
         alone = few_attention.attend(q[:, :, last], k, v, mask[:, :, last], d ** -0.5)
-        within = few_attention.attend(q, k, v, mask, d ** -0.5)[:, :, last]
+        within = got[:, :, last]
         assert torch.equal(alone, within) if q.is_cuda else torch.allclose(alone, within, rtol=tol, atol=tol)
         # the mask matters: without it the output differs (by more than the tolerance, many times over)
         unmasked = few_attention.attend(q, k, v, torch.zeros_like(mask), d ** -0.5).float()
