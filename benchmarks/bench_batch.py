@@ -7,7 +7,9 @@ one ends (a group waits for its slowest row: at τ ≈ 2.7 some rows need half a
 as the mean), with `decode.loop.generate_batch` on one engine (`--engine`; 'auto' is the static
 runner with CUDA graphs on a GPU). Rows stop at the target's stop tokens or `--max-new-tokens`, so
 batches shrink as rows finish. tokens/s = generated tokens / wall time including prefill;
-"vs AR" is against AR at the same batch size, "speed-up" against AR at batch 1. Each
+"vs AR" is against AR at the same batch size, "speed-up" against AR at batch 1; "tail" (groups
+only): the row-rounds the groups ran (each row as many as its group's slowest) over those its
+rows needed, what waiting for the slowest row costs. Each
 configuration first runs the same work untimed (CUDA-graph capture and compilation happen once
 per shape; a shorter warm-up left them in whichever method ran first); CUDA is synchronised
 before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size (greedy;
@@ -64,11 +66,12 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "identical"]
+    head = ["method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "tail", "identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        tail = f"{r['tail']:.2f}x" if "tail" in r else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['vs_ar']:.2f}x | {r['speedup']:.2f}x | {r['tau']:.2f} | {r['identical']}/{r['prompts']} |")
+                     f"{r['vs_ar']:.2f}x | {r['speedup']:.2f}x | {r['tau']:.2f} | {tail} | {r['identical']}/{r['prompts']} |")
     return "\n".join(lines)
 
 
@@ -113,10 +116,14 @@ def main() -> None:
             ar_at.setdefault(batch, gens)
             tokens = sum(len(g.tokens) for g in gens)
             rounds = sum(g.rounds for g in gens)
-            rows.append({"method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
-                         "seconds": seconds, "tokens_per_s": tokens / seconds,
-                         "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
-                         "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[batch]))})
+            row = {"method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
+                   "seconds": seconds, "tokens_per_s": tokens / seconds,
+                   "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
+                   "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[batch]))}
+            if not args.continuous:  # a group runs as many rounds as its slowest row
+                groups = [gens[i:i + batch] for i in range(0, len(gens), batch)]
+                row["tail"] = sum(max(g.rounds for g in grp) * len(grp) for grp in groups) / max(1, rounds)
+            rows.append(row)
             print(f"{method} batch {batch}: {tokens / seconds:.1f} tokens/s", flush=True)
     base = next(r for r in rows if r["method"] == "ar" and r["batch"] == 1)["tokens_per_s"]
     for r in rows:
