@@ -50,12 +50,12 @@ def parse_method(label: str) -> tuple[str, int | None]:
 
 
 def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
-            stop_ids: set[int], continuous: bool = False) -> tuple[float, list[Generation]]:
+            stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation]]:
     method, budget = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     if continuous:  # every prompt through `batch` rows, a finished row's place to the next prompt
-        groups, kw["rows"] = [prompts], batch
+        groups, kw["rows"], kw["refill"] = [prompts], batch, refill
     for grp in groups:  # an untimed pass over the same work: graph capture and compilation stay out of the numbers
         generate_batch(engine, grp, **kw)
     sync(engine.target.device)
@@ -86,6 +86,8 @@ def main() -> None:
                    help="continuous batching (as `serve`): every prompt through `batch` rows, a finished row's "
                    "place going to the next prompt, instead of consecutive groups that each run to their "
                    "longest row")
+    p.add_argument("--refill", type=float, default=0.25,
+                   help="with --continuous: prompts join once this share of the rows is free (default 0.25)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
@@ -112,7 +114,8 @@ def main() -> None:
     for batch in sizes:
         for method in methods:
             eng = engines["ar" if method == "ar" else "spec"]
-            seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops, args.continuous)
+            seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops, args.continuous,
+                                    args.refill)
             ar_at.setdefault(batch, gens)
             tokens = sum(len(g.tokens) for g in gens)
             rounds = sum(g.rounds for g in gens)
@@ -131,6 +134,7 @@ def main() -> None:
         r["vs_ar"] = r["tokens_per_s"] / next(a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"])["tokens_per_s"]
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "continuous": args.continuous,
+                "refill": args.refill if args.continuous else None,
                 "device": device, "dtype": args.dtype,
                 "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",

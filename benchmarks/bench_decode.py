@@ -412,6 +412,10 @@ SWITCHES = {  # flag -> the former code path or candidate it selects
                        "kernels a layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)",
     "--sdpa-rows": "passes of several rows attend through SDPA (cuDNN inside CUDA graphs, the output permuted "
                    "after it) instead of the fused few-query kernel (`few_attention.ROWS`)",
+    "--token-heads": "one program per (token, head) in the heads kernel, as before it took `heads.BLOCK_T` tokens "
+                     "per program",
+    "--short-spans": "split short caches into spans of keys and combine them, as before one span was written "
+                     "directly up to `few_attention.DIRECT_KEYS` slots",
 }
 
 
@@ -433,6 +437,8 @@ def apply_baseline_options(args: argparse.Namespace) -> dict:
     heads_mod.ENABLED = not args.unfused_heads
     few_attention.FROM_KEYS = {"auto": few_attention.FROM_KEYS, "fused": 0, "written": None}[args.few_attention]
     few_attention.ROWS = not args.sdpa_rows
+    heads_mod.BLOCK_T = 1 if args.token_heads else heads_mod.BLOCK_T
+    few_attention.DIRECT_KEYS = 0 if args.short_spans else few_attention.DIRECT_KEYS
     switches = {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in SWITCHES)}
     return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS}
 

@@ -108,3 +108,11 @@ def gemma3() -> Target:
     from dflashkit.target import load_target
 
     return load_target("gemma3")
+
+
+def read_late(monkeypatch) -> None:
+    """Rounds read a round late, as on a GPU where the device is the slower side: the loop never
+    finds a round's tokens on the host before it launches the next round."""
+    from dflashkit.decode.cache import HostCopy
+
+    monkeypatch.setattr(HostCopy, "ready", lambda self: False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import children, make_tiny_drafter, make_tiny_target, ragged_trees
+from conftest import children, make_tiny_drafter, make_tiny_target, ragged_trees, read_late
 from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import loop as loop_mod
@@ -185,14 +185,6 @@ def test_top_p_keeps_the_smallest_nucleus():
 def ragged_prompts(seed: int, lengths=(20, 7, 33, 12)) -> list[torch.Tensor]:
     torch.manual_seed(seed)
     return [torch.randint(3, 120, (1, n)) for n in lengths]
-
-
-def read_late(monkeypatch) -> None:
-    """Rounds read a round late, as on a GPU where the device is the slower side: the loop never
-    finds a round's tokens on the host before it launches the next round."""
-    from dflashkit.decode.cache import HostCopy
-
-    monkeypatch.setattr(HostCopy, "ready", lambda self: False)
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -386,12 +378,15 @@ def test_finished_rows_can_stay_idle(tiny_target, engine):
         assert not gens[2].finish_reason and 0 < len(gens[2].tokens) < limits[2]
 
 
-@pytest.mark.parametrize("engine,fixed", [("hf", False), ("static", True)])
-def test_requests_join_a_running_batch(tiny_target, engine, fixed):
+@pytest.mark.parametrize("engine,fixed,late", [("hf", False, False), ("static", True, False), ("static", True, True)])
+def test_requests_join_a_running_batch(tiny_target, engine, fixed, late, monkeypatch):
     """Continuous batching: requests admitted between rounds decode exactly as alone (greedy and
     a seeded sample), whatever the round they arrive in; a finished or cancelled row is free for
     the next request at once. With fixed rows the joining requests take the idle rows (the batch
-    never grows past 3 rows for 5 requests); otherwise finished rows leave and new ones append."""
+    never grows past 3 rows for 5 requests); otherwise finished rows leave and new ones append.
+    late: rounds read a round late, so requests join while the round after a row's end runs."""
+    if late:
+        read_late(monkeypatch)
     check_joins(tiny_target, ENGINES[engine], fixed)
 
 

@@ -29,7 +29,7 @@ def check(dtype: torch.dtype, device: str) -> None:
     from dflashkit.decode.tree import visibility
 
     g = torch.Generator().manual_seed(0)
-    spread = few_attention.FILL
+    spread, short = few_attention.FILL, few_attention.DIRECT_KEYS
     for b, kv, grp, t, n, d in CASES:
         lengths = torch.randint(n // 3, n // 2, (b,), generator=g)  # a long invisible tail: the mask matters
         depths = torch.arange(t).repeat(b, 1)
@@ -43,13 +43,13 @@ def check(dtype: torch.dtype, device: str) -> None:
         assert got.shape == want.shape and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
         # each token's heads in order, as the output projection reads them: from spans of keys and a
-        # combine, and from one span written directly
+        # combine (short caches too, with `DIRECT_KEYS` 0), and from one span written directly
         by_token = want.reshape(b, kv, grp, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv * grp * d)
-        for fill in (spread, 1):
-            few_attention.FILL = fill
+        for fill, direct in ((spread, 0), (1, short)):
+            few_attention.FILL, few_attention.DIRECT_KEYS = fill, direct
             tokens = few_attention.attend(q, k, v, mask, d ** -0.5, t)
             torch.testing.assert_close(tokens.float(), by_token, rtol=tol, atol=tol)
-        few_attention.FILL = spread
+        few_attention.FILL, few_attention.DIRECT_KEYS = spread, short
         # a token's queries alone (an AR step) get bit for bit on CUDA what they get inside the block
         # (the same tile shapes and spans): AR and a verification then part in bf16 only where other
         # kernels round apart (the interpreter's numpy products may group a row's sums by position)

@@ -60,6 +60,11 @@ def check(dtype: torch.dtype, device: str) -> None:
             new, ref, old = (x.transpose(1, 2).cpu() for x in (new, ref, old))  # [b, cap, KV, d]
             torch.testing.assert_close(new[written], ref[written], rtol=tol, atol=tol)
             assert torch.equal(new[~written], old[~written])  # nothing else touched
+        # the last token alone (an AR step) gets bit for bit on CUDA what it gets inside the block
+        kv_alone = LayerKV(kv.k.clone(), kv.v.clone())
+        alone = qkv_fused(h[:, -1:], w, 1e-6, cos[:, :, -1:], sin[:, :, -1:], H, KV, d, kv_alone, slots[:, -1:])[0]
+        within = q.view(b, KV, H // KV, t, d)[:, :, :, -1:].reshape(alone.shape)
+        assert torch.equal(alone, within) if q.is_cuda else torch.allclose(alone, within, rtol=tol, atol=tol)
         if norms:  # the norms matter: the reference without them differs
             plain = qkv(h, w._replace(qn=None, kn=None), 1e-6, cos, sin, H, KV, d, kv_ref, slots)[0]
             assert (plain - q_ref).abs().max() > 100 * tol

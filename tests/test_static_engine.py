@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_drafter, make_tiny_target
+from conftest import make_tiny_drafter, make_tiny_target, read_late
 from dflashkit.decode.loop import generate
 from dflashkit.decode.packed import PackedLinear
 from dflashkit.decode.static import attend, folded_mask, static_engine
@@ -133,9 +133,11 @@ def test_joins_replay_staging_graphs_captured_before_serving(monkeypatch):
     rows padded to a power of two with copies of a prompt, lengths to geometric buckets) whose
     graphs `warm_joins` captures before serving: the joins then capture nothing, groups too large
     for a staging pass run eagerly on a fresh engine, and every answer equals decoding its prompt
-    alone (so the padding rows and the padding tokens never reach a real row)."""
+    alone (so the padding rows and the padding tokens never reach a real row). Rounds are read
+    a round late, as on a GPU: requests join while the round after a row's end still runs."""
     from dflashkit.decode.loop import Request, decode_stream
 
+    read_late(monkeypatch)
     captures: dict[str, int] = {}
     engine = _counting_engine(monkeypatch, captures)
     engine.join_pass = 512  # (smaller than on a GPU: fewer warm-up passes on the CPU)

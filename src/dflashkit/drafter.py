@@ -474,6 +474,18 @@ def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, 
     return drafter(emb, new_features, blk_slots, ctx_slots, lm, CacheSlots(cache, ctx_slots, blk_slots, n))
 
 
+def write_context(drafter: DFlashDrafter, cache: Any, new_features: Tensor, slots: Tensor) -> None:
+    """The context half of `draft_step` alone: new context rows' keys and values [b, c] into
+    `cache` at `slots` [b, c] (their positions), with no block drafted after them. A prompt that
+    joins a running batch needs only this; the batch's next draft makes its block."""
+    cfg = drafter.config
+    ctx = drafter.hidden_norm(drafter.fc(new_features))
+    rope_c = rope_cos_sin(slots, cfg.head_dim, cfg.rope_theta, ctx.dtype)
+    cache.allocate(ctx.new_empty(ctx.shape[0], cfg.num_key_value_heads, 0, cfg.head_dim))
+    for i, layer in enumerate(drafter.layers):
+        cache.layer(i).write(*layer.self_attn._kv(ctx, *rope_c), slots)
+
+
 def additive(mask: Any, dtype: torch.dtype) -> Any:
     """A boolean attention mask as 0 / -inf in `dtype`; anything else as it is. SDPA converts a
     boolean mask on every call: converted once, one mask serves every layer."""

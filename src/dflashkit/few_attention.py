@@ -8,8 +8,9 @@ scores it writes out ([kv, g*t, n] in fp32) cost more than the keys. Here (Flash
 scheme) one Triton kernel gives each (query tile, row, KV head, span of keys) a program that
 computes its scores, an online softmax and its share of p v in fp32; a second kernel weighs the
 spans' partial sums by their maxima and normalisers: 39 µs at 16,384 slots. Keys are split into
-spans only until the GPU has `FILL` programs: from there on (a large batch of rows) the first
-kernel writes the output itself, one span each (no partial sums, no second launch). Scores are
+spans only until the GPU has `FILL` programs: from there on (a large batch of rows), and over
+short caches (`DIRECT_KEYS`), the first kernel writes the output itself, one span each (no
+partial sums, no second launch). Scores are
 taken in fp32 from the bf16 products (the written-out path rounds q kᵀ to bf16 first).
 
 Layout as `attend_few`'s: q [b, kv, G, d] (the G = g * t query heads of a KV group folded into
@@ -32,6 +33,7 @@ except ImportError:  # CPU-only installs: `drafter.attend_few` writes the attent
 SPLIT = 128  # keys per program at least: at 768 slots, 6 programs per KV head and query tile
 MAX_SPANS = 16  # past 16 x 128 slots, spans grow (powers of two) instead: partial sums stay small
 FILL = 256  # programs wanted: spans are added until the (row, KV head) pairs times spans reach it
+DIRECT_KEYS = 512  # up to this many slots one span per program (8 inner steps): no combine launch
 BLOCK_N = 64  # keys per inner step
 BLOCK_G = 64  # folded queries per program (an AR step's few too: see `attend`)
 
@@ -147,7 +149,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, tokens: 
     # Query tiles of BLOCK_G and spans that do not depend on the query count: a query's arithmetic
     # (its tl.dot shapes, its spans of keys) is the same in an AR step as in a verification.
     tiles = triton.cdiv(G, BLOCK_G)
-    wanted = min(MAX_SPANS, triton.cdiv(N, SPLIT), triton.cdiv(FILL, b * heads))
+    wanted = 1 if N <= DIRECT_KEYS else min(MAX_SPANS, triton.cdiv(N, SPLIT), triton.cdiv(FILL, b * heads))
     span = max(SPLIT, triton.next_power_of_2(triton.cdiv(N, wanted)))
     spans = triton.cdiv(N, span)
     out = q.new_empty(_shape(q, tokens))

@@ -203,7 +203,13 @@ class KVCache:
         for j, r in enumerate(rows):
             lengths[r] = src.lengths[j]
         self.lengths = lengths
-        self.lengths_t = torch.tensor(lengths, device=src.lengths_t.device)
+        # Only the rows taken get new lengths on the device: the others' may include rounds that
+        # the host's lengths do not know yet (`advance_late`).
+        lengths_t = src.lengths_t.new_zeros(b)
+        if self.lengths_t is not None:
+            lengths_t[:len(self.lengths_t)] = self.lengths_t
+        lengths_t[to_device(list(rows), lengths_t.device)] = src.lengths_t[:len(rows)]
+        self.lengths_t = lengths_t
         if self.linear is not None:
             self.linear.put_rows(src.linear, rows, b)
         like = self.k if self.k is not None else src.k

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
 from dflashkit.decode.packed import lm_head
 from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
-from dflashkit.drafter import DFlashDrafter, draft_step
+from dflashkit.drafter import DFlashDrafter, draft_step, write_context
 from dflashkit.target import Target
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chunk, length]
@@ -323,6 +323,21 @@ class Engine:
         return out
 
     @_passes
+    def take_context(self) -> None:
+        """The drafter's context cache takes the pending features (a prompt's) without drafting
+        a block after them: no attention, LM head or tree, a few launches per drafter layer
+        (`drafter.write_context`); padded as `draft` pads them."""
+        dc, feats = self.dcache, self.pending.to(self.draft_dtype)
+        b, c = feats.shape[:2]
+        width = padded(b, c, self.small_pass, self.geometric)
+        if width > c:
+            feats = torch.cat([feats, feats.new_zeros(b, width - c, feats.shape[2])], 1)
+        dc.reserve(dc.bound + width)
+        write_context(self.drafter, dc, feats, dc.lengths_t[:, None] + torch.arange(width, device=feats.device))
+        dc.advance(self.pending_counts)
+        self.pending_read = True
+
+    @_passes
     def verify(self, tokens: Tensor, depths: Tensor, ancestors: Tensor | None = None) -> Tensor:
         """tokens [b, q] at positions lengths + depths [b, q]; ancestors bool [b, q, q] (None: a
         chain) -> the target's logits [b, q, V]."""
@@ -406,13 +421,13 @@ class Engine:
     def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:
         """Prefill `prompts` on their own caches (`_stage`) -> that engine, the logits at each
         prompt's last token [m, V]. With a drafter running, it takes the prompts' features now,
-        over these rows only, so that the batch's next draft sees at most a block of new features
-        per row (its CUDA graph) instead of a pass over all b rows at prompt length. The block
-        drafted here is dropped: the batch's next draft writes it again at the same slots."""
+        over these rows only (`take_context`), so that the batch's next draft sees at most a block
+        of new features per row (its CUDA graph) instead of a pass over all b rows at prompt
+        length."""
         new, run = self._stage(prompts)
         logits = new.prefill(run, capacity=0)[:len(prompts)]  # the caches of the batch make the room (`put_rows`)
         if self.dcache is not None and self.dcache.k is not None:
-            new.draft(torch.zeros(len(run), dtype=torch.long, device=logits.device))
+            new.take_context()
         if self.dcache is None or self.dcache.k is not None:  # no drafter will read them (again)
             new.pending, new.pending_counts = new.pending[:, :0], [0] * len(run)
         return new, logits
@@ -422,8 +437,10 @@ class Engine:
         """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
         of this batch, or indices from `batch` on to append): their caches, lengths and pending
         features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
-        -> logits at each prompt's last token [m, V]."""
-        self._settled("join")
+        -> logits at each prompt's last token [m, V]. Into idle rows, rounds committed on the
+        device may still be unsettled: their `settle` must then count 0 for the rows taken."""
+        if max(rows) >= self.batch:
+            self._settled("join")
         new, logits = self._prefill_joining(prompts)
         self.cache.put_rows(new.cache, rows)
         self.cache.reserve(capacity)
@@ -435,11 +452,15 @@ class Engine:
         w, extra = max(self.pending.shape[1], new.pending.shape[1]), self.batch - len(self.pending_counts)
         pending = self.pending.new_zeros(self.batch, w, self.pending.shape[2])
         pending[:len(self.pending_counts), :self.pending.shape[1]] = self.pending
-        pending[torch.tensor(list(rows), device=pending.device), :new.pending.shape[1]] = new.pending[:len(rows)]
+        idx = torch.tensor(list(rows), device=pending.device)
+        pending[idx, :new.pending.shape[1]] = new.pending[:len(rows)]
         self.pending = pending
-        self.pending_counts = self.pending_counts + [0] * extra
-        for r, n in zip(rows, new.pending_counts):
-            self.pending_counts[r] = n
+        if isinstance(self.pending_counts, Tensor):  # an unsettled round's, on the device: changed in
+            self.pending_counts[idx] = to_device(new.pending_counts[:len(rows)], idx.device)  # place (`settle`)
+        else:
+            self.pending_counts = self.pending_counts + [0] * extra
+            for r, n in zip(rows, new.pending_counts):
+                self.pending_counts[r] = n
         return logits
 
     @_passes

@@ -4,8 +4,8 @@ After the q/k/v GEMM, a decoding pass of the static runner normalises the query 
 (Qwen3's q_norm / k_norm), rotates them (RoPE), lays the queries out for the attention and writes
 keys and values into the cache. Compiled by Inductor that is four kernels per layer on an H200
 (the query and key heads and the value store have different sizes, so they do not fuse), each
-costing a launch and its latency for little work. Here one program per (token, head) does its
-head's part, so a layer launches one kernel: on a Qwen3-8B-shaped target a DFlash round went
+costing a launch and its latency for little work. Here one program per (`BLOCK_T` tokens, head)
+does its head's part, so a layer launches one kernel: on a Qwen3-8B-shaped target a DFlash round went
 from 6.72 to 6.55 ms, 113 launches fewer (docs/benchmarks.md).
 
 `available` says where it runs: CUDA, Triton importable, q/k/v fused into one weight, heads of 64
@@ -25,6 +25,10 @@ except ImportError:  # CPU-only installs: `static.qkv` does it in PyTorch
     triton = None
 
 ENABLED = True  # False: `static.qkv` everywhere (the benchmarks' `--unfused-heads` baseline)
+# Tokens per program: a program per (token, head) left 7,680 tiny programs in a SmolLM2-shaped
+# pass of 32 rows x 16 tokens (9 us a layer). Fixed, so that a token's arithmetic is the same in
+# an AR step as in a verification block.
+BLOCK_T = 8
 
 
 def available(y: Tensor, head_dim: int, rotary: int, gated: bool, fused: bool) -> bool:
@@ -35,20 +39,25 @@ def available(y: Tensor, head_dim: int, rotary: int, gated: bool, fused: bool) -
 if triton is not None:
 
     @triton.jit
-    def _heads(y_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, T, eps,
+    def _heads(y_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, N, T, eps,
                sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr):
-        row, j = tl.program_id(0), tl.program_id(1)  # row = b * T + t; head j of [q heads; k heads; v heads]
+               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
+               BT: tl.constexpr):
+        # rows = b * T + t, BT of them; head j of [q heads; k heads; v heads]
+        row = tl.program_id(0) * BT + tl.arange(0, BT)
+        j = tl.program_id(1)
+        live = row < N
         b, t = row // T, row % T
-        half = tl.arange(0, D // 2)
-        src = y_ptr + row * (H + 2 * KV) * D + j * D
-        x1 = tl.load(src + half).to(tl.float32)
-        x2 = tl.load(src + D // 2 + half).to(tl.float32)
-        slot = tl.load(slot_ptr + row)
+        half = tl.arange(0, D // 2)[None, :]
+        at = live[:, None]
+        src = y_ptr + row[:, None] * (H + 2 * KV) * D + j * D + half
+        x1 = tl.load(src, mask=at, other=0.0).to(tl.float32)  # [BT, D/2]
+        x2 = tl.load(src + D // 2, mask=at, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + row, mask=live, other=0)[:, None]
         if j >= H + KV:  # a value head: stored as it is
-            dst = v_ptr + b * sv_b + (j - H - KV) * sv_h + slot * sv_n
-            tl.store(dst + half, x1.to(v_ptr.dtype.element_ty))
-            tl.store(dst + D // 2 + half, x2.to(v_ptr.dtype.element_ty))
+            dst = v_ptr + b[:, None] * sv_b + (j - H - KV) * sv_h + slot * sv_n + half
+            tl.store(dst, x1.to(v_ptr.dtype.element_ty), mask=at)
+            tl.store(dst + D // 2, x2.to(v_ptr.dtype.element_ty), mask=at)
         else:
             if NORM:
                 if j < H:
@@ -57,7 +66,8 @@ if triton is not None:
                 else:
                     w1 = tl.load(kn_ptr + half).to(tl.float32)
                     w2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
-                r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+                r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+                r = r[:, None]
                 if OFFSET:  # (1 + w) in fp32, then rounded
                     x1 = x1 * r * (1.0 + w1)
                     x2 = x2 * r * (1.0 + w2)
@@ -66,21 +76,22 @@ if triton is not None:
                     x2 = (x2 * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w2
                 x1 = x1.to(y_ptr.dtype.element_ty).to(tl.float32)
                 x2 = x2.to(y_ptr.dtype.element_ty).to(tl.float32)
-            c1 = tl.load(cos_ptr + row * D + half).to(tl.float32)
-            c2 = tl.load(cos_ptr + row * D + D // 2 + half).to(tl.float32)
-            s1 = tl.load(sin_ptr + row * D + half).to(tl.float32)
-            s2 = tl.load(sin_ptr + row * D + D // 2 + half).to(tl.float32)
+            rope = row[:, None] * D + half
+            c1 = tl.load(cos_ptr + rope, mask=at, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + rope + D // 2, mask=at, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + rope, mask=at, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + rope + D // 2, mask=at, other=0.0).to(tl.float32)
             o1 = x1 * c1 - x2 * s1  # x cos + rotate_half(x) sin
             o2 = x2 * c2 + x1 * s2
             if j < H:  # query head j = kv head j // g, folded at (j % g) * T + t (`static.qkv`'s layout)
                 g = H // KV
-                dst = q_ptr + ((b * KV + j // g) * g * T + (j % g) * T + t) * D
-                tl.store(dst + half, o1.to(q_ptr.dtype.element_ty))
-                tl.store(dst + D // 2 + half, o2.to(q_ptr.dtype.element_ty))
+                dst = q_ptr + ((b[:, None] * KV + j // g) * g * T + (j % g) * T + t[:, None]) * D + half
+                tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=at)
+                tl.store(dst + D // 2, o2.to(q_ptr.dtype.element_ty), mask=at)
             else:
-                dst = k_ptr + b * sk_b + (j - H) * sk_h + slot * sk_n
-                tl.store(dst + half, o1.to(k_ptr.dtype.element_ty))
-                tl.store(dst + D // 2 + half, o2.to(k_ptr.dtype.element_ty))
+                dst = k_ptr + b[:, None] * sk_b + (j - H) * sk_h + slot * sk_n + half
+                tl.store(dst, o1.to(k_ptr.dtype.element_ty), mask=at)
+                tl.store(dst + D // 2, o2.to(k_ptr.dtype.element_ty), mask=at)
 
 
 def heads(y: Tensor, qn: Tensor | None, kn: Tensor | None, offset: bool, eps: float, cos: Tensor, sin: Tensor,
@@ -93,8 +104,8 @@ def heads(y: Tensor, qn: Tensor | None, kn: Tensor | None, offset: bool, eps: fl
     y, cos, sin, slots = (x.contiguous() for x in (y, cos, sin, slots))
     q = y.new_empty(b, kv_heads, (num_heads // kv_heads) * t, d)
     norm = qn is not None
-    _heads[(b * t, num_heads + 2 * kv_heads)](
-        y, qn if norm else y, kn if norm else y, cos, sin, q, k, v, slots, t, eps,
+    _heads[(triton.cdiv(b * t, BLOCK_T), num_heads + 2 * kv_heads)](
+        y, qn if norm else y, kn if norm else y, cos, sin, q, k, v, slots, b * t, t, eps,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        H=num_heads, KV=kv_heads, D=d, NORM=norm, OFFSET=offset)
+        H=num_heads, KV=kv_heads, D=d, NORM=norm, OFFSET=offset, BT=BLOCK_T)
     return q

@@ -166,6 +166,7 @@ class _Row:
 class _Round:
     """A round launched on the device whose host side (`decode_stream`'s finish) is still to run."""
 
+    rows: list[_Row | None]  # the batch at launch (a row's place may be taken before the read)
     running: list[bool]  # rows that decode in it
     read: HostCopy  # per row [accepted, the path's nodes..., the target's tokens at them...]
     logits: Tensor | None  # kept for record_top
@@ -281,8 +282,10 @@ def decode_stream(
     # reads a round's tokens while the next runs, unless they have already arrived (the host
     # being the slower side, as for a small target): then it reads them first, and never runs a
     # round past every row's end. (A cost-aware round that read its draft's scores to choose a
-    # width has waited for the device already: it is read at once.)
-    lag = admit is None and not (record_top or profile)
+    # width has waited for the device already: it is read at once.) Admissions keep the lag on an
+    # engine with fixed rows: requests join into the places the last read freed while the next
+    # round runs, which still decodes the rows that ended in it (their tokens are dropped).
+    lag = not (record_top or profile)
     inflight: _Round | None = None
     running_t: tuple[list[bool], Tensor] | None = None  # the running rows on the device (for `commit_walk`)
     empty: dict[int, tuple[Trees, Tensor, Tensor]] = {}  # `_trees`' autoregressive rounds
@@ -298,8 +301,10 @@ def decode_stream(
         paths: list[Sequence[int]] = [range(h[0] + 1) if rnd.chain else h[1:h[0] + 2] for h in host]
         news = [h[1 + w:2 + w + h[0]] for h in host]
         top = _top(rnd.logits, record_top) if record_top else None
+        # A row whose place a join took after the launch: its lengths are the newcomer's (count 0)
+        stays = [run and now is row for run, row, now in zip(rnd.running, rnd.rows, batch)]
         if rnd.drafted:  # committed on the device at launch: the host learns the counts (idle rows: 0)
-            engine.settle([len(path) if run else 0 for path, run in zip(paths, rnd.running)])
+            engine.settle([len(path) if stay else 0 for path, stay in zip(paths, stays)])
         seconds = (next_started or time.perf_counter()) - rnd.started  # (the read has waited for verification)
         if curve is not None and rnd.drafted and rnd.timed:
             curve.observe(seconds, rnd.width, rnd.chosen)
@@ -309,8 +314,8 @@ def decode_stream(
         stages.mark("commit")
         step = []
         now = time.perf_counter()
-        for r, (row, path, new, run) in enumerate(zip(batch, paths, news, rnd.running)):
-            if not run or row.res.finish_reason:  # (a lagged round may follow a row's last one)
+        for r, (row, path, new, stay) in enumerate(zip(rnd.rows, paths, news, stays)):
+            if not stay or row.res.finish_reason:  # (a lagged round may follow a row's last one)
                 continue
             new = row.extend(new)
             if top is not None:  # the m-th new token was chosen at node path[m]
@@ -323,6 +328,9 @@ def decode_stream(
                 row.res.stage_seconds = dict(stages.seconds)
             step.append((row.index, new, row.res))
         return step
+
+    def live() -> list[bool]:  # the rows to decode in the next round
+        return [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
 
     curve, drafting = None, None
     if cost_aware and method != "ar":
@@ -340,12 +348,16 @@ def decode_stream(
         if inflight is not None and inflight.read.ready():  # reading it waits for nothing (the host is the
             step, inflight = finish(inflight), None  # slower side): read it now, so that no round runs past a row's end
             yield step
-        running = [row is not None and not row.res.finish_reason and not cancelled(row.index) for row in batch]
-        joining = list(admit(sum(running))) if admit is not None else []
-        if inflight is not None and (not any(running) or not engine.fixed_rows and not all(running)):
+        running = live()
+        if inflight is not None and (not any(running) or not engine.fixed_rows and (admit is not None or not all(running))):
             step, inflight = finish(inflight), None  # what runs next, or leaves the batch, depends on it
             yield step
             continue
+        joining = list(admit(sum(running))) if admit is not None else []
+        if inflight is not None and len(joining) > running.count(False):  # rows that ended in it may
+            step, inflight = finish(inflight), None  # make room (appending needs settled rounds)
+            yield step
+            running = live()
         if not any(running) and not joining:
             break
         if not all(running) and not engine.fixed_rows:  # finished rows leave the batch
@@ -384,7 +396,7 @@ def decode_stream(
         walked = walk(trees, anc, picked, chain)  # on the device: the next bonus stays there
         bonus = walked.bonus
         read = HostCopy(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
-        rnd = _Round(running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
+        rnd = _Round(list(batch), running, read, logits if record_top else None, tokens.shape[1], chain, t_round, drafted,
                      not (drafted and engine.caught_up), drafted and scored)
         if not drafted:  # each running row keeps its one node
             engine.commit([range(1) if run else range(0) for run in running], context=method != "ar")
