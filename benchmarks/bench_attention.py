@@ -16,7 +16,8 @@ heads, 8 KV heads, head dim 128), and checks each against the math reference:
   split-KV decoding kernel);
 - `fused`: `few_attention.attend`, one Triton pass over spans of keys and a combine (what the
   engine uses on CUDA for passes of several rows, and for one row from `few_attention.FROM_KEYS`
-  slots; one row below that, it writes the attention out).
+  slots; one row below that, it writes the attention out); `fused-direct`: the same kernel with one
+  span per program at every length (what it does up to `few_attention.DIRECT_KEYS` slots).
 
     python3 benchmarks/bench_attention.py --queries 16,65 --keys 768 --batches 1,16 --json out.json
     python3 benchmarks/bench_attention.py --queries 1,16,65 --keys 4096,16384 --only compiled,fused
@@ -62,11 +63,18 @@ def candidates(g: int, scale: float) -> dict:
     def fused(q, k, v, m, m_gqa):
         return few_attention.attend(folded(q, g), k, v, m, scale)
 
+    def fused_direct(q, k, v, m, m_gqa):  # one span over every length (`few_attention.DIRECT_KEYS`)
+        keep, few_attention.DIRECT_KEYS = few_attention.DIRECT_KEYS, k.shape[2]
+        try:
+            return few_attention.attend(folded(q, g), k, v, m, scale)
+        finally:
+            few_attention.DIRECT_KEYS = keep
+
     out = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
            "math": sdpa(SDPBackend.MATH), "gqa-cudnn": sdpa_gqa(SDPBackend.CUDNN_ATTENTION),
            "compiled": torch.compile(written_out, dynamic=False)}
     if few_attention.triton is not None:
-        out["fused"] = fused
+        out["fused"], out["fused-direct"] = fused, fused_direct
     try:
         from torch.nn.attention.flex_attention import flex_attention
 

@@ -4,7 +4,8 @@ side in one run, on the SmolLM2 testbed (built-in training prompts, greedy).
 Every back-end answers the same prompts, longest first, with the target's stop tokens, in batches
 of `--batch` (`refill`: at most `--batch` rows, a finished row refilled at once through
 `decode_stream`'s admissions, as `serve` does; `refill-quarter`: refilled in groups once a quarter
-of the rows is free, as `data.prompts: self:N` writes prompts; `regenerate` runs whole batches). tokens/s = generated tokens / wall time of the whole pass (prefill included), after
+of the rows is free, as `data.prompts: self:N` writes prompts; `regenerate` runs `refill` on an
+engine with CUDA graphs, whole batches, `engine`, elsewhere). tokens/s = generated tokens / wall time of the whole pass (prefill included), after
 an untimed pass over the first batches (graph capture, compilation). "identical" counts answers
 whose tokens are equal between the two back-ends (bf16 near-ties may part).
 

@@ -91,6 +91,34 @@ def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path, capsys):
         assert s.input_ids[:len(seq)] == seq
 
 
+def test_rows_refilled_on_a_graph_engine_answer_as_whole_batches(tiny_dir, prompts_file, tmp_path, monkeypatch):
+    """On an engine with fixed rows (CUDA graphs) a finished row takes the next prompt at once and
+    each answer is written as it ends: the answers are the whole batches' (greedy), and a run
+    resumed from a file holding some of them writes only the rest."""
+    from dflashkit.decode import loop
+
+    convs, params = load_prompts(prompts_file)[:12], GenerationParams(max_new_tokens=24)
+    target = load_target(tiny_dir)
+    whole = tmp_path / "whole.jsonl"
+    regenerate_local(target, convs, whole, params, batch_size=4)
+    make = loop.make_engine
+
+    def fixed(*a, **kw):
+        engine = make(*a, **kw)
+        engine.fixed_rows = True
+        return engine
+
+    monkeypatch.setattr(loop, "make_engine", fixed)
+    joins = []
+    monkeypatch.setattr(loop.Engine, "join", lambda self, *a, join=loop.Engine.join, **kw: (joins.append(1), join(self, *a, **kw))[1])
+    refilled = tmp_path / "refilled.jsonl"
+    lines = whole.read_text().splitlines(keepends=True)
+    refilled.write_text("".join(lines[:4]))  # an earlier run wrote these
+    stats = regenerate_local(target, convs, refilled, params, batch_size=4)
+    assert joins and stats.already_done == 4 and stats.written == 8
+    assert records(refilled) == records(whole)
+
+
 @pytest.fixture(scope="module")
 def failing_server():
     with live_server("--fail-every", "3") as url:

@@ -415,9 +415,16 @@ def decode_stream(
         inflight = rnd
 
 
-def generate_batch(engine: Engine, prompts: Sequence[Tensor], *, rows: int | None = None, refill: float = 0.25,
-                   **kw: Any) -> list[Generation]:
-    """`decode_stream` to the end: one finished `Generation` per prompt, in order.
+def generate_batch(engine: Engine, prompts: Sequence[Tensor], **kw: Any) -> list[Generation]:
+    """`finished` to the end: one finished `Generation` per prompt, in order."""
+    out = dict(finished(engine, prompts, **kw))
+    return [out[i] for i in range(len(prompts))]
+
+
+def finished(engine: Engine, prompts: Sequence[Tensor], *, rows: int | None = None, refill: float = 0.25,
+             **kw: Any) -> Iterator[tuple[int, Generation]]:
+    """`decode_stream` over every prompt -> (prompt index, its finished `Generation`) as each ends
+    (rows that a `cancelled` keyword stopped come last, unfinished).
 
     rows: decode at most this many prompts at once; a finished row's place goes to the next
     prompt once `refill` of the rows are free (continuous batching). Joins come in groups because
@@ -438,10 +445,15 @@ def generate_batch(engine: Engine, prompts: Sequence[Tensor], *, rows: int | Non
         kw.update(admit=admit, rows=rows, max_new_tokens=[r.max_new_tokens for r in first],
                   sampling=[r.sampling for r in first], stop_ids=[r.stop_ids for r in first])
         prompts = [r.prompt for r in first]
-    out: dict[int, Generation] = {}
+    unfinished: dict[int, Generation] = {}
     for step in decode_stream(engine, prompts, **kw):
-        out.update((i, g) for i, _, g in step)
-    return [out[i] for i in range(n)]
+        for i, _, g in step:
+            if g.finish_reason:
+                unfinished.pop(i, None)
+                yield i, g
+            else:
+                unfinished[i] = g
+    yield from unfinished.items()  # rows that `cancelled` stopped
 
 
 def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
