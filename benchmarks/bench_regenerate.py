@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench_decode import add_baseline_options, apply_baseline_options
 from dflashkit.data.chat import prompt_ids
 from dflashkit.data.prompts import load_prompts
 from dflashkit.data.regenerate import context_messages
@@ -92,12 +93,15 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--backends", default="engine,refill,transformers",
-                   help="engine: whole batches (what regenerate runs); refill: rows refilled as they finish; "
-                        "refill-quarter: refilled once a quarter of the rows is free; transformers")
+                   help="engine: whole batches (what regenerate runs without CUDA graphs); refill: rows refilled "
+                        "as they finish (what it runs with them); refill-quarter: refilled once a quarter of the "
+                        "rows is free; transformers")
     p.add_argument("--drafter", help="a drafter directory: speculative rounds (--method) instead of AR")
     p.add_argument("--method", default="dflash", choices=("dflash", "ddtree"), help="with --drafter (default dflash)")
     p.add_argument("--json")
+    add_baseline_options(p)
     args = p.parse_args()
+    baselines = apply_baseline_options(args)
     target = load_target(None, dtype=args.dtype, device=args.device)
     if args.drafter:
         global DRAFTER, METHOD
@@ -133,7 +137,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu"
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                                               "rows": rows}, indent=2))
+                                               **baselines, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -251,12 +251,11 @@ def decode_stream(
     size it passed through (seconds of stalls for every running row).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot). Without `admit` (and unless profiling
-    or recording), a round whose tokens have not reached the host yet is read a round late, the
-    next one already running on the device (except a cost-aware round that read its draft's
-    scores): a row's end is then seen a round after it, and that round's tokens for the row are
-    dropped. cost_aware: measure what
-    verification costs here, then verify per round only the draft prefix that maximises expected
+    `budget` nodes from the top-`top_k` tokens of each slot). Unless profiling or recording, a
+    round whose tokens have not reached the host yet is read a round late, the next one already
+    running on the device (except a cost-aware round that read its draft's scores, and, with
+    `admit`, on an engine without fixed rows): a row's end is then seen a round after it, and
+    that round's tokens for the row are dropped. cost_aware: measure what verification costs here, then verify per round only the draft prefix that maximises expected
     tokens per second, and draft at all only while drafting rounds give more tokens per second
     than autoregressive ones (`decode/cost.py`; both kept on the engine per method and batch size);
     the sizes chosen (0: no draft) go to `Generation.draft_sizes`.
