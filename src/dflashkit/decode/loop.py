@@ -255,9 +255,10 @@ def decode_stream(
     round whose tokens have not reached the host yet is read a round late, the next one already
     running on the device (except a cost-aware round that read its draft's scores, and, with
     `admit`, on an engine without fixed rows): a row's end is then seen a round after it, and
-    that round's tokens for the row are dropped. cost_aware: measure what verification costs here, then verify per round only the draft prefix that maximises expected
-    tokens per second, and draft at all only while drafting rounds give more tokens per second
-    than autoregressive ones (`decode/cost.py`; both kept on the engine per method and batch size);
+    that round's tokens for the row are dropped. cost_aware: measure what verification costs
+    here, then verify per round only the draft prefix that maximises expected tokens per second,
+    and draft at all only while drafting rounds give more tokens per second than autoregressive
+    ones (`decode/cost.py`; both kept on the engine per method and batch size);
     the sizes chosen (0: no draft) go to `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
     that chose it (`Generation.top`; one more host transfer per round)."""
