@@ -2,21 +2,23 @@
 with the bundled drafter, first N HumanEval prompts through the chat template (as `dflashkit eval`).
 
 Each configuration decodes the same N prompts in consecutive groups of `batch` (the last group
-may be smaller), or with `--continuous` through `batch` rows that take the next prompt as soon as
-one ends (a group waits for its slowest row: at τ ≈ 2.7 some rows need half as many rounds again
-as the mean), with `decode.loop.generate_batch` on one engine (`--engine`; 'auto' is the static
+may be smaller), or in mode `continuous` (`--modes`) through `batch` rows that take the next
+prompt once `--refill` of them are free (a group waits for its slowest row: at τ ≈ 2.7 some rows
+need half as many rounds again as the mean), with `decode.loop.generate_batch` on one engine (`--engine`; 'auto' is the static
 runner with CUDA graphs on a GPU). Rows stop at the target's stop tokens or `--max-new-tokens`, so
 batches shrink as rows finish. tokens/s = generated tokens / wall time including prefill;
-"vs AR" is against AR at the same batch size, "speed-up" against AR at batch 1; "tail" (groups
+"vs AR" is against AR at the same batch size and mode, "speed-up" against AR at batch 1; "tail" (groups
 only): the row-rounds the groups ran (each row as many as its group's slowest) over those its
 rows needed, what waiting for the slowest row costs. Each
 configuration first runs the same work untimed (CUDA-graph capture and compilation happen once
 per shape; a shorter warm-up left them in whichever method ran first); CUDA is synchronised
-before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size (greedy;
-bf16 near-ties may part).
+before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size and
+mode (greedy; bf16 near-ties may part).
 
     python benchmarks/bench_batch.py --prompts 8 --max-new-tokens 64 --json runs/bench-batch-cpu.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 32 --json out.json
+    python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 128 \
+        --max-new-tokens 64 --methods ar,dflash --modes groups,continuous --json out.json
 """
 
 from __future__ import annotations
@@ -66,11 +68,11 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "tail", "identical"]
+    head = ["mode", "method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "tail", "identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tail = f"{r['tail']:.2f}x" if "tail" in r else "-"
-        lines.append(f"| {r['method']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['mode']} | {r['method']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['vs_ar']:.2f}x | {r['speedup']:.2f}x | {r['tau']:.2f} | {tail} | {r['identical']}/{r['prompts']} |")
     return "\n".join(lines)
 
@@ -82,10 +84,11 @@ def main() -> None:
     p.add_argument("--methods", default="ar,dflash,ddtree-16", help="comma list of ar, dflash, ddtree-N")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "static"))
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--continuous", action="store_true",
-                   help="continuous batching (as `serve`): every prompt through `batch` rows, a finished row's "
-                   "place going to the next prompt, instead of consecutive groups that each run to their "
-                   "longest row")
+    p.add_argument("--modes", default="groups",
+                   help="comma list: groups (consecutive groups of `batch` prompts, each run to its longest row), "
+                   "continuous (continuous batching, as `serve`: every prompt through `batch` rows, a finished "
+                   "row's place going to the next prompt); both side by side in one process")
+    p.add_argument("--continuous", action="store_true", help="the same as --modes continuous")
     p.add_argument("--refill", type=float, default=0.25,
                    help="with --continuous: prompts join once this share of the rows is free (default 0.25)")
     p.add_argument("--device", default="cpu")
@@ -102,6 +105,9 @@ def main() -> None:
 
     sizes = sorted(int(b) for b in args.batch_sizes.split(","))
     methods = args.methods.split(",")
+    modes = ["continuous"] if args.continuous else args.modes.split(",")
+    if not set(modes) <= {"groups", "continuous"}:
+        raise SystemExit(f"--modes: expected a comma list of groups and continuous, got {args.modes!r}")
     if 1 not in sizes or methods[0] != "ar":
         raise SystemExit("--batch-sizes must include 1 and --methods must start with ar: the baselines are AR's")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
@@ -111,30 +117,33 @@ def main() -> None:
 
     engines = {"ar": make_engine(target, None, args.engine), "spec": make_engine(target, drafter, args.engine)}
     rows, ar_at = [], {}
-    for batch in sizes:
-        for method in methods:
-            eng = engines["ar" if method == "ar" else "spec"]
-            seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops, args.continuous,
-                                    args.refill)
-            ar_at.setdefault(batch, gens)
-            tokens = sum(len(g.tokens) for g in gens)
-            rounds = sum(g.rounds for g in gens)
-            row = {"method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
-                   "seconds": seconds, "tokens_per_s": tokens / seconds,
-                   "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
-                   "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[batch]))}
-            if not args.continuous:  # a group runs as many rounds as its slowest row
-                groups = [gens[i:i + batch] for i in range(0, len(gens), batch)]
-                row["tail"] = sum(max(g.rounds for g in grp) * len(grp) for grp in groups) / max(1, rounds)
-            rows.append(row)
-            print(f"{method} batch {batch}: {tokens / seconds:.1f} tokens/s", flush=True)
-    base = next(r for r in rows if r["method"] == "ar" and r["batch"] == 1)["tokens_per_s"]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base
-        r["vs_ar"] = r["tokens_per_s"] / next(a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"])["tokens_per_s"]
+    for mode in modes:
+        for batch in sizes:
+            for method in methods:
+                eng = engines["ar" if method == "ar" else "spec"]
+                seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops, mode == "continuous",
+                                        args.refill)
+                ar_at.setdefault((mode, batch), gens)
+                tokens = sum(len(g.tokens) for g in gens)
+                rounds = sum(g.rounds for g in gens)
+                row = {"mode": mode, "method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
+                       "seconds": seconds, "tokens_per_s": tokens / seconds,
+                       "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
+                       "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[mode, batch]))}
+                if mode == "groups":  # a group runs as many rounds as its slowest row
+                    groups = [gens[i:i + batch] for i in range(0, len(gens), batch)]
+                    row["tail"] = sum(max(g.rounds for g in grp) * len(grp) for grp in groups) / max(1, rounds)
+                rows.append(row)
+                print(f"{mode} {method} batch {batch}: {tokens / seconds:.1f} tokens/s", flush=True)
+
+    def ar(mode: str, batch: int) -> float:
+        return next(a for a in rows if a["method"] == "ar" and a["mode"] == mode and a["batch"] == batch)["tokens_per_s"]
+
+    for r in rows:  # against AR in the same mode
+        r["speedup"], r["vs_ar"] = r["tokens_per_s"] / ar(r["mode"], 1), r["tokens_per_s"] / ar(r["mode"], r["batch"])
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "continuous": args.continuous,
-                "refill": args.refill if args.continuous else None,
+    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "modes": modes,
+                "refill": args.refill if "continuous" in modes else None,
                 "device": device, "dtype": args.dtype,
                 "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
