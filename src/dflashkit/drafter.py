@@ -342,18 +342,27 @@ class DFlashDrafter(nn.Module):
         cache: CacheSlots | None = None,
     ) -> Tensor:  # [b, q, H] final hidden states; the target's LM head turns them into logits
         cfg = self.config
-        ctx = self.hidden_norm(self.fc(ctx_features))
+        ctx, rope_c = self.context(ctx_features, ctx_pos)
         x = block_emb.to(ctx.dtype)
         rope_q = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-        rope_c = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         if cache is not None:  # the buffers exist before any layer takes its own view of them
-            cache.kv.allocate(x.new_empty(x.shape[0], cfg.num_key_value_heads, 0, cfg.head_dim))
+            self.allocate(cache.kv, x)
         else:
             lengths_dynamic((x, ctx, *rope_q, *rope_c), layer_masks.values())
         for i, layer in enumerate(self.layers):
             mine = None if cache is None else replace(cache, kv=cache.kv.layer(i))
             x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine)
         return self.norm(x)
+
+    def context(self, ctx_features: Tensor, ctx_pos: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Raw tapped features [b, c, n_taps * H] at positions [b, c] -> the context stream every
+        layer's keys and values are made from [b, c, H], and its RoPE tables."""
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        return ctx, rope_cos_sin(ctx_pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+
+    def allocate(self, kv: Any, like: Tensor) -> None:
+        """The inference cache's buffers, for rows like `like` [b, ...], before any layer views them."""
+        kv.allocate(like.new_empty(like.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -478,10 +487,8 @@ def write_context(drafter: DFlashDrafter, cache: Any, new_features: Tensor, slot
     """The context half of `draft_step` alone: new context rows' keys and values [b, c] into
     `cache` at `slots` [b, c] (their positions), with no block drafted after them. A prompt that
     joins a running batch needs only this; the batch's next draft makes its block."""
-    cfg = drafter.config
-    ctx = drafter.hidden_norm(drafter.fc(new_features))
-    rope_c = rope_cos_sin(slots, cfg.head_dim, cfg.rope_theta, ctx.dtype)
-    cache.allocate(ctx.new_empty(ctx.shape[0], cfg.num_key_value_heads, 0, cfg.head_dim))
+    ctx, rope_c = drafter.context(new_features, slots)
+    drafter.allocate(cache, ctx)
     for i, layer in enumerate(drafter.layers):
         cache.layer(i).write(*layer.self_attn._kv(ctx, *rope_c), slots)
 

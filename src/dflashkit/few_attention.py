@@ -10,8 +10,8 @@ computes its scores, an online softmax and its share of p v in fp32; a second ke
 spans' partial sums by their maxima and normalisers: 39 µs at 16,384 slots. Keys are split into
 spans only until the GPU has `FILL` programs: from there on (a large batch of rows), and over
 short caches (`DIRECT_KEYS`), the first kernel writes the output itself, one span each (no
-partial sums, no second launch). Scores are
-taken in fp32 from the bf16 products (the written-out path rounds q kᵀ to bf16 first).
+partial sums, no second launch). Scores are taken in fp32 from the bf16 products (the
+written-out path rounds q kᵀ to bf16 first).
 
 Layout as `attend_few`'s: q [b, kv, G, d] (the G = g * t query heads of a KV group folded into
 the query axis, head-major), k / v [b, kv, n, d] (last dimension contiguous), mask additive [b, 1,

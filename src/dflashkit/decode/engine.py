@@ -60,6 +60,13 @@ def padded(rows: int, length: int, small_pass: int, geometric: bool = False) -> 
     return bucketed if small(rows, bucketed, small_pass) else length
 
 
+def widened(feats: Tensor, width: int) -> Tensor:
+    """feats [b, c, F] padded with zeros to [b, width, F] (padding rows land past each row's
+    context and are never seen)."""
+    b, c, f = feats.shape
+    return feats if width <= c else torch.cat([feats, feats.new_zeros(b, width - c, f)], 1)
+
+
 def attention_backends(graph: bool = False) -> Any:
     """The SDPA backends of a decoding pass. cuDNN's attention builds an execution plan for each
     new input shape (milliseconds per layer on an H200), and outside CUDA graphs shapes are new
@@ -305,8 +312,7 @@ class Engine:
         # Padding rows land past each row's context (the block overwrites the first ones; later
         # contexts the rest) and are never seen: one shape every round, few for long contexts.
         width = B if c <= B else padded(b, c, self.small_pass, self.geometric)
-        if width > c:
-            feats = torch.cat([feats, feats.new_zeros(b, width - c, feats.shape[2])], 1)
+        feats = widened(feats, width)
         dc.reserve(max(self.cache.bound, dc.bound + width) + B)
         n = dc.span(self.cache.bound + B, self.slot_bucket)
         args = (feats, bonus, dc.lengths_t, self.cache.lengths_t, n, budget, top_k, scored)
@@ -328,10 +334,8 @@ class Engine:
         a block after them: no attention, LM head or tree, a few launches per drafter layer
         (`drafter.write_context`); padded as `draft` pads them."""
         dc, feats = self.dcache, self.pending.to(self.draft_dtype)
-        b, c = feats.shape[:2]
-        width = padded(b, c, self.small_pass, self.geometric)
-        if width > c:
-            feats = torch.cat([feats, feats.new_zeros(b, width - c, feats.shape[2])], 1)
+        width = padded(*feats.shape[:2], self.small_pass, self.geometric)
+        feats = widened(feats, width)
         dc.reserve(dc.bound + width)
         write_context(self.drafter, dc, feats, dc.lengths_t[:, None] + torch.arange(width, device=feats.device))
         dc.advance(self.pending_counts)
