@@ -35,10 +35,12 @@ many tokens against the `--prompt-len` one, with the peak memory of each prefill
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -285,8 +287,12 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
             gens = generate_batch(eng, prompts, max_new_tokens=n, method=method)
             prof = generate_batch(eng, prompts, max_new_tokens=n, method=method, profile=True)[0]
             if kernels and kind != "accept-all":
-                out[f"b{b}-{kind}-kernels" if kind == "ar" else f"b{b}-kernels"] = kernel_table(
-                    lambda: generate_batch(eng, prompts, max_new_tokens=n, method=method)[0], device, kernels)
+                key = f"b{b}-{kind}-kernels" if kind == "ar" else f"b{b}-kernels"
+                out[key] = kernel_table(lambda: generate_batch(eng, prompts, max_new_tokens=n, method=method)[0],
+                                        device, kernels)
+                if device.type == "cuda":
+                    out[key]["stages"] = stage_kernels(
+                        lambda: generate_batch(eng, prompts, max_new_tokens=n, method=method, profile=True)[0], kernels)
             loop.walk = walk
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
@@ -356,6 +362,73 @@ def kernel_table(run, device: torch.device, top: int) -> dict:
     if cuda:
         per_round["gaps"] = device_gaps(prof, g.rounds, top)
     return per_round
+
+
+def stage_kernels(run, top: int, device_type: Any = None) -> dict:
+    """The kernels of each stage of a round (draft, tree, verify, commit), per round: `run()` is a
+    generation with `profile=True`, whose loop synchronises CUDA at every stage boundary, so a
+    kernel belongs to the stage in whose host interval (a profiler range per stage) it starts.
+    (device_type: the events to classify; CUDA kernels unless given.)"""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflashkit.decode import loop
+
+    names: list[str] = []  # the stage each numbered range turned out to be
+    opened: list = []
+    start, mark = loop._Stages.start, loop._Stages.mark
+
+    def open_range() -> None:
+        opened.append(record_function(f"stage#{len(names) + len(opened)}"))
+        opened[-1].__enter__()
+
+    def close_range(stage: str) -> None:
+        if opened:
+            opened.pop().__exit__(None, None, None)
+            names.append(stage)
+
+    def staged_start(self) -> None:
+        start(self)
+        close_range("other")  # (host work between a round's commit and the next draft)
+        open_range()
+
+    def staged_mark(self, stage: str) -> None:
+        mark(self, stage)
+        close_range(stage)
+        open_range()
+
+    device_type = DeviceType.CUDA if device_type is None else device_type
+    loop._Stages.start, loop._Stages.mark = staged_start, staged_mark
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            g = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            close_range("other")
+    finally:
+        loop._Stages.start, loop._Stages.mark = start, mark
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end, names[int(e.name[6:])]) for e in events
+                    if e.name.startswith("stage#") and int(e.name[6:]) < len(names))
+    starts = [a for a, _, _ in ranges]
+    out: dict[str, dict] = {}
+    for e in events:
+        if e.device_type != device_type:
+            continue
+        t = e.time_range.start
+        i = bisect.bisect_right(starts, t) - 1
+        stage = ranges[i][2] if i >= 0 and t <= ranges[i][1] and not e.name.startswith("stage#") else "outside"
+        d = out.setdefault(stage, {"us": 0.0, "launches": 0.0, "kernels": {}})
+        d["us"] += e.time_range.elapsed_us() / g.rounds
+        d["launches"] += 1 / g.rounds
+        d["kernels"][e.name[:90]] = d["kernels"].get(e.name[:90], 0.0) + e.time_range.elapsed_us() / g.rounds
+    for stage, d in out.items():
+        d["kernels"] = dict(sorted(d["kernels"].items(), key=lambda kv: -kv[1])[:top])
+        print(f"  stage {stage}: {d['us']:.0f} us, {d['launches']:.0f} kernels per round; largest:")
+        for k, us in list(d["kernels"].items())[:top]:
+            print(f"    {us:8.1f} us  {k}")
+    return out
 
 
 def device_gaps(prof, rounds: int, top: int) -> dict:

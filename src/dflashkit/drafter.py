@@ -273,8 +273,8 @@ class Attention(nn.Module):
         if cache is None:  # training: the whole context, then every block
             k, v = torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2)
         else:
-            cache.kv.write(k_ctx, v_ctx, cache.ctx_slots)
-            cache.kv.write(k_blk, v_blk, cache.blk_slots)
+            cache.kv.store(k_ctx, v_ctx, cache.ctx_slots)  # (then the block: it overwrites the context's padding)
+            cache.kv.store(k_blk, v_blk, cache.blk_slots)
             k, v = cache.kv.view(cache.n)
         out = attend(q, k, v, mask, self.kv != self.h)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
