@@ -19,7 +19,7 @@ from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
 from dflashkit.data.prompts import Suite
-from dflashkit.evaluate import (Prompt, answer_spans, arbitrate_parting, check_partings, classify_parting, evaluate_offline, evaluate_online,
+from dflashkit.evaluate import (Prompt, answer_spans, arbitrate_parting, bootstrap_intervals, check_partings, classify_parting, evaluate_offline, evaluate_online,
                                 evaluate_suites, markdown, method_labels, offline_accepted, parting_summary, replay_rounds,
                                 rounding_bound, summarize, tau_sim_vs_online, write_report)
 
@@ -270,14 +270,39 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
         assert pooled["rounds"] == per["a"]["rounds"] + per["b"]["rounds"] and sum(pooled["hist"]) == pooled["rounds"]
         assert pooled["identical"] is True and pooled["unexplained_partings"] == []
     assert rep["baseline"]["tokens"] == 2 * 12 + 3 * 20
+    for lab in ("dflash", "ddtree-4"):  # each suite's spread over its prompts, from the per-prompt rounds
+        for s in "ab":
+            lo, hi = rep["suites"][s]["drafters"]["d"][lab]["tau_interval"]
+            assert 1 <= lo <= hi <= 4
+        assert rep["headline"]["d"][lab]["worst_to_best_interval"][1] <= 1
+    assert all(set(r["rounds"]) == set(r["tau"]) and min(r["rounds"].values()) >= 1 for r in rep["per_prompt"])
     md = markdown(rep)
     assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
+    assert "90 % intervals over prompts" in md
     check_partings(rep)  # nothing to explain
     assert parting_summary(rep) == {}
     # τ_sim of a training category beside online DFlash τ of the suite of the same name only
     rep["tau_sim"] = {"d": {"a": 2.0, "writing": 3.0}}
     tau_a = rep["suites"]["a"]["drafters"]["d"]["dflash"]["tau"]
     assert tau_sim_vs_online(rep) == {"d": {"a": {"tau_sim": 2.0, "tau": tau_a, "rel_diff": pytest.approx(2.0 / tau_a - 1)}}}
+
+
+def test_bootstrap_intervals_measure_the_spread_over_prompts():
+    """A suite whose prompts all reach the same τ has no spread; one whose prompts differ has an
+    interval around its pooled τ (tokens / rounds), wider with fewer prompts; the worst/best ratio
+    gets its own interval; the same seed draws the same intervals."""
+    even = [(2.0, 30)] * 12
+    mixed = [(1.5, 40), (3.0, 20), (2.0, 30), (2.5, 24)] * 3
+    few = mixed[:4]
+    iv = bootstrap_intervals({"even": even, "mixed": mixed, "few": few})
+    assert iv["even"] == (2.0, 2.0)
+    pooled = sum(t * r for t, r in mixed) / sum(r for _, r in mixed)
+    lo, hi = iv["mixed"]
+    assert lo < pooled < hi and 1.5 < lo and hi < 3.0
+    assert iv["few"][1] - iv["few"][0] > hi - lo
+    w_lo, w_hi = iv["worst_to_best"]
+    assert 0 < w_lo < w_hi <= 1
+    assert bootstrap_intervals({"even": even, "mixed": mixed, "few": few}) == iv
 
 
 def test_parting_summary_counts_every_parting_by_class():

@@ -439,6 +439,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                     if not parting["numerical"]:
                         r["unexplained"].append(pr.id)
                 row["tau"][f"{name}/{lab}"] = round(g.tau, 3)
+                row.setdefault("rounds", {})[f"{name}/{lab}"] = g.rounds
         per_prompt.append(row)
     report: dict[str, Any] = {
         "mode": "online", "prompts": len(prompts), "greedy": greedy, "dtype": str(target.dtype).removeprefix("torch."),
@@ -539,8 +540,46 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
                                    "best_suite": best, "best_tau": per[best]["tau"],
                                    # how evenly the drafter serves the suites: 1 = alike
                                    "worst_to_best": per[worst]["tau"] / max(per[best]["tau"], 1e-9)}
+            rows = {s: [(r["tau"][f"{name}/{lab}"], r["rounds"][f"{name}/{lab}"]) for r in report["per_prompt"]
+                        if r["suite"] == s] for s in table}
+            spread = bootstrap_intervals(rows)
+            for s in table:
+                table[s]["drafters"][name][lab]["tau_interval"] = spread[s]
+            headline[name][lab].update(mean_tau_interval=spread["mean"], worst_to_best_interval=spread["worst_to_best"])
     report.update(suites=table, headline=headline)
     return report
+
+
+def bootstrap_intervals(rows: dict[str, list[tuple[float, int]]], draws: int = 2000, level: float = 0.9,
+                        seed: int = 0) -> dict[str, tuple[float, float]]:
+    """How far a suite's τ could move with other prompts of the same kind: `rows` holds per suite
+    each prompt's (τ, rounds); every draw resamples each suite's prompts with replacement and pools
+    them (τ = tokens / rounds, as the suite's own τ). -> per suite, and for the mean over suites and
+    the worst/best ratio, the central `level` interval of the draws. Two drafters (or two runs of
+    one) whose suite τ differ by less than these intervals' width are not told apart by the suite."""
+    import random
+
+    rng = random.Random(seed)
+    names = [s for s in rows if rows[s]]
+    samples: dict[str, list[float]] = {s: [] for s in [*names, "mean", "worst_to_best"]}
+    for _ in range(draws):
+        taus = {}
+        for s in names:
+            picked = [rows[s][rng.randrange(len(rows[s]))] for _ in rows[s]]
+            taus[s] = sum(t * r for t, r in picked) / max(sum(r for _, r in picked), 1)
+            samples[s].append(taus[s])
+        if taus:
+            samples["mean"].append(sum(taus.values()) / len(taus))
+            samples["worst_to_best"].append(min(taus.values()) / max(max(taus.values()), 1e-9))
+
+    def central(xs: list[float]) -> tuple[float, float]:
+        xs = sorted(xs)
+        if not xs:
+            return (math.nan, math.nan)
+        cut = (1 - level) / 2
+        return (xs[int(cut * (len(xs) - 1))], xs[math.ceil((1 - cut) * (len(xs) - 1))])
+
+    return {s: central(v) for s, v in samples.items()}
 
 
 # ---- reports ---------------------------------------------------------------------------------------
@@ -677,6 +716,17 @@ def suite_table(report: dict[str, Any]) -> list[str]:
                 f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | | |")
     lines += ["", "Cells: τ (speed-up over autoregressive decoding of the same suite); column heads: prompts × answer "
               "tokens. The mean weighs every suite the same; worst/best: the lowest suite τ over the highest."]
+    first = next(iter(report["headline"].values()), {})
+    if any("mean_tau_interval" in h for h in first.values()):
+        lines += ["", "τ with 90 % intervals over prompts (bootstrap: each suite's prompts resampled, 2,000 draws): "
+                  "differences narrower than these do not tell two drafters, or two runs, apart.", "",
+                  "| drafter | method | " + " | ".join(names) + " | mean | worst/best |",
+                  "| --- | --- | " + "---: | " * (len(names) + 2)]
+        for name, methods in report["headline"].items():
+            for lab, h in methods.items():
+                cells = [report["suites"][s]["drafters"][name][lab]["tau_interval"] for s in names]
+                lines.append(f"| {name} | {lab} | " + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in cells) +
+                             " | {:.2f}-{:.2f} | {:.2f}-{:.2f} |".format(*h["mean_tau_interval"], *h["worst_to_best_interval"]))
     return lines
 
 
