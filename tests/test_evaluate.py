@@ -256,7 +256,8 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)
     suites = [(Suite("a", 2, 12, ""), _tiny_prompts(2, 0)), (Suite("b", 3, 20, ""), _tiny_prompts(3, 1))]
-    rep = evaluate_suites(target, {"d": drafter}, suites, methods=["dflash", "ddtree"], budgets=[4], top_k=2, engine="hf")
+    rep = evaluate_suites(target, {"d": drafter, "e": make_tiny_drafter(target, seed=3)}, suites,
+                          methods=["dflash", "ddtree"], budgets=[4], top_k=2, engine="hf")
     assert list(rep["suites"]) == ["a", "b"] and rep["prompts"] == 5
     assert [r["suite"] for r in rep["per_prompt"]] == ["a", "a", "b", "b", "b"]
     assert all(r["ar_tokens"] == (12 if r["suite"] == "a" else 20) for r in rep["per_prompt"])  # no stop ids: full length
@@ -279,6 +280,12 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
     md = markdown(rep)
     assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
     assert "90 % intervals over prompts" in md
+    for lab in ("dflash", "ddtree-4"):  # the second drafter against the first, suite by suite, paired
+        d = rep["differences"]["e - d"][lab]
+        for s in "ab":
+            want = rep["suites"][s]["drafters"]["e"][lab]["tau"] - rep["suites"][s]["drafters"]["d"][lab]["tau"]
+            assert d[s]["diff"] == pytest.approx(want) and d[s]["interval"][0] <= d[s]["interval"][1]
+    assert "| e - d | dflash | " in md
     check_partings(rep)  # nothing to explain
     assert parting_summary(rep) == {}
     # τ_sim of a training category beside online DFlash τ of the suite of the same name only
@@ -303,6 +310,12 @@ def test_bootstrap_intervals_measure_the_spread_over_prompts():
     w_lo, w_hi = iv["worst_to_best"]
     assert 0 < w_lo < w_hi <= 1
     assert bootstrap_intervals({"even": even, "mixed": mixed, "few": few}) == iv
+    # paired: a drafter one token of τ ahead on every prompt is ahead by exactly that in every draw,
+    # though either τ alone spreads; on the same prompts as itself, by nothing
+    ahead = {"mixed": [(t + 1, r) for t, r in mixed]}
+    diff = bootstrap_intervals(ahead, against={"mixed": mixed})
+    assert diff["mixed"] == pytest.approx((1.0, 1.0)) and diff["mean"] == pytest.approx((1.0, 1.0))
+    assert bootstrap_intervals({"mixed": mixed}, against={"mixed": mixed})["mixed"] == (0.0, 0.0)
 
 
 def test_parting_summary_counts_every_parting_by_class():

@@ -547,30 +547,62 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
                 table[s]["drafters"][name][lab]["tau_interval"] = spread[s]
             headline[name][lab].update(mean_tau_interval=spread["mean"], worst_to_best_interval=spread["worst_to_best"])
     report.update(suites=table, headline=headline)
+    report["differences"] = paired_differences(report, list(table))
     return report
 
 
-def bootstrap_intervals(rows: dict[str, list[tuple[float, int]]], draws: int = 2000, level: float = 0.9,
-                        seed: int = 0) -> dict[str, tuple[float, float]]:
+def paired_differences(report: dict[str, Any], suites: list[str]) -> dict[str, dict[str, Any]]:
+    """Each drafter after the first against the first, per method: τ differences per suite and of
+    the mean, with paired 90 % intervals over prompts (`bootstrap_intervals(..., against=...)`)."""
+    names = list(report["drafters"])
+    out: dict[str, dict[str, Any]] = {}
+
+    def rows(name: str, lab: str) -> dict[str, list[tuple[float, int]]]:
+        return {s: [(r["tau"][f"{name}/{lab}"], r["rounds"][f"{name}/{lab}"]) for r in report["per_prompt"]
+                    if r["suite"] == s] for s in suites}
+
+    for name in names[1:]:
+        for lab in report["drafters"][name]["methods"]:
+            ref = rows(names[0], lab)
+            spread = bootstrap_intervals(rows(name, lab), against=ref)
+            per = {s: report["suites"][s]["drafters"] for s in suites}
+            out.setdefault(f"{name} - {names[0]}", {})[lab] = {
+                **{s: {"diff": per[s][name][lab]["tau"] - per[s][names[0]][lab]["tau"], "interval": spread[s]}
+                   for s in suites},
+                "mean": {"diff": report["headline"][name][lab]["mean_tau"] - report["headline"][names[0]][lab]["mean_tau"],
+                         "interval": spread["mean"]}}
+    return out
+
+
+def bootstrap_intervals(rows: dict[str, list[tuple[float, int]]], against: dict[str, list[tuple[float, int]]] | None = None,
+                        draws: int = 2000, level: float = 0.9, seed: int = 0) -> dict[str, tuple[float, float]]:
     """How far a suite's τ could move with other prompts of the same kind: `rows` holds per suite
     each prompt's (τ, rounds); every draw resamples each suite's prompts with replacement and pools
     them (τ = tokens / rounds, as the suite's own τ). -> per suite, and for the mean over suites and
-    the worst/best ratio, the central `level` interval of the draws. Two drafters (or two runs of
-    one) whose suite τ differ by less than these intervals' width are not told apart by the suite."""
+    the worst/best ratio, the central `level` interval of the draws. against: another drafter's
+    rows on the same prompts: then the intervals are of the differences (rows - against), each draw
+    taking the same prompts for both (paired, so a difference is known far better than either τ)."""
     import random
 
     rng = random.Random(seed)
     names = [s for s in rows if rows[s]]
     samples: dict[str, list[float]] = {s: [] for s in [*names, "mean", "worst_to_best"]}
-    for _ in range(draws):
-        taus = {}
-        for s in names:
-            picked = [rows[s][rng.randrange(len(rows[s]))] for _ in rows[s]]
-            taus[s] = sum(t * r for t, r in picked) / max(sum(r for _, r in picked), 1)
-            samples[s].append(taus[s])
-        if taus:
-            samples["mean"].append(sum(taus.values()) / len(taus))
-            samples["worst_to_best"].append(min(taus.values()) / max(max(taus.values()), 1e-9))
+
+    def pooled(prompts: list[tuple[float, int]], idx: list[int]) -> float:
+        return sum(prompts[i][0] * prompts[i][1] for i in idx) / max(sum(prompts[i][1] for i in idx), 1)
+
+    def summary(taus: dict[str, float]) -> dict[str, float]:
+        return {**taus, "mean": sum(taus.values()) / len(taus),
+                "worst_to_best": min(taus.values()) / max(max(taus.values()), 1e-9)}
+
+    for _ in range(draws if names else 0):
+        idx = {s: [rng.randrange(len(rows[s])) for _ in rows[s]] for s in names}
+        stats = summary({s: pooled(rows[s], idx[s]) for s in names})
+        if against is not None:
+            other = summary({s: pooled(against[s], idx[s]) for s in names})
+            stats = {k: v - other[k] for k, v in stats.items()}
+        for k, v in stats.items():
+            samples[k].append(v)
 
     def central(xs: list[float]) -> tuple[float, float]:
         xs = sorted(xs)
@@ -727,6 +759,14 @@ def suite_table(report: dict[str, Any]) -> list[str]:
                 cells = [report["suites"][s]["drafters"][name][lab]["tau_interval"] for s in names]
                 lines.append(f"| {name} | {lab} | " + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in cells) +
                              " | {:.2f}-{:.2f} | {:.2f}-{:.2f} |".format(*h["mean_tau_interval"], *h["worst_to_best_interval"]))
+    if report.get("differences"):
+        lines += ["", "τ differences between drafters on the same prompts, with paired 90 % intervals (an interval "
+                  "that holds 0: these suites do not tell the two apart):", "",
+                  "| drafters | method | " + " | ".join(names) + " | mean |", "| --- | --- | " + "---: | " * (len(names) + 1)]
+        for pair, methods in report["differences"].items():
+            for lab, d in methods.items():
+                lines.append(f"| {pair} | {lab} | " + " | ".join(
+                    "{:+.2f} ({:+.2f} to {:+.2f})".format(d[s]["diff"], *d[s]["interval"]) for s in [*names, "mean"]) + " |")
     return lines
 
 
