@@ -39,6 +39,7 @@ import bisect
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -288,11 +289,10 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
             prof = generate_batch(eng, prompts, max_new_tokens=n, method=method, profile=True)[0]
             if kernels and kind != "accept-all":
                 key = f"b{b}-{kind}-kernels" if kind == "ar" else f"b{b}-kernels"
-                out[key] = kernel_table(lambda: generate_batch(eng, prompts, max_new_tokens=n, method=method)[0],
-                                        device, kernels)
+                run = partial(generate_batch, eng, prompts, max_new_tokens=n, method=method)
+                out[key] = kernel_table(lambda: run()[0], device, kernels)
                 if device.type == "cuda":
-                    out[key]["stages"] = stage_kernels(
-                        lambda: generate_batch(eng, prompts, max_new_tokens=n, method=method, profile=True)[0], kernels)
+                    out[key]["stages"] = stage_kernels(lambda: run(profile=True)[0], kernels)
             loop.walk = walk
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
