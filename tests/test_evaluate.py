@@ -20,7 +20,7 @@ from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
 from dflashkit.data.prompts import Suite
 from dflashkit.evaluate import (Prompt, answer_spans, arbitrate_parting, bootstrap_intervals, check_partings, classify_parting, evaluate_offline, evaluate_online,
-                                evaluate_suites, markdown, method_labels, offline_accepted, parting_summary, replay_rounds,
+                                evaluate_suites, markdown, method_labels, offline_accepted, paired_differences, parting_summary, replay_rounds,
                                 rounding_bound, summarize, tau_sim_vs_online, write_report)
 
 LABELS = method_labels(["dflash", "ddtree"], [4, 12])
@@ -256,8 +256,7 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)
     suites = [(Suite("a", 2, 12, ""), _tiny_prompts(2, 0)), (Suite("b", 3, 20, ""), _tiny_prompts(3, 1))]
-    rep = evaluate_suites(target, {"d": drafter, "e": make_tiny_drafter(target, seed=3)}, suites,
-                          methods=["dflash", "ddtree"], budgets=[4], top_k=2, engine="hf")
+    rep = evaluate_suites(target, {"d": drafter}, suites, methods=["dflash", "ddtree"], budgets=[4], top_k=2, engine="hf")
     assert list(rep["suites"]) == ["a", "b"] and rep["prompts"] == 5
     assert [r["suite"] for r in rep["per_prompt"]] == ["a", "a", "b", "b", "b"]
     assert all(r["ar_tokens"] == (12 if r["suite"] == "a" else 20) for r in rep["per_prompt"])  # no stop ids: full length
@@ -280,12 +279,21 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
     md = markdown(rep)
     assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
     assert "90 % intervals over prompts" in md
-    for lab in ("dflash", "ddtree-4"):  # the second drafter against the first, suite by suite, paired
+    # a second drafter, its τ a token ahead on every prompt: paired, it is ahead by exactly that
+    rep["drafters"]["e"] = rep["drafters"]["d"]
+    rep["headline"]["e"] = {lab: {**h, "mean_tau": h["mean_tau"] + 1} for lab, h in rep["headline"]["d"].items()}
+    for s in "ab":
+        rep["suites"][s]["drafters"]["e"] = {lab: {**m, "tau": m["tau"] + 1}
+                                             for lab, m in rep["suites"][s]["drafters"]["d"].items()}
+    for r in rep["per_prompt"]:
+        for lab in ("dflash", "ddtree-4"):
+            r["tau"][f"e/{lab}"], r["rounds"][f"e/{lab}"] = r["tau"][f"d/{lab}"] + 1, r["rounds"][f"d/{lab}"]
+    rep["differences"] = paired_differences(rep, ["a", "b"])
+    for lab in ("dflash", "ddtree-4"):
         d = rep["differences"]["e - d"][lab]
-        for s in "ab":
-            want = rep["suites"][s]["drafters"]["e"][lab]["tau"] - rep["suites"][s]["drafters"]["d"][lab]["tau"]
-            assert d[s]["diff"] == pytest.approx(want) and d[s]["interval"][0] <= d[s]["interval"][1]
-    assert "| e - d | dflash | " in md
+        assert all(d[k]["diff"] == pytest.approx(1) and d[k]["interval"] == pytest.approx((1, 1), abs=0.01)
+                   for k in ("a", "b", "mean"))
+    assert "| e - d | dflash | +1.00 (+1.00 to +1.00)" in markdown(rep)
     check_partings(rep)  # nothing to explain
     assert parting_summary(rep) == {}
     # τ_sim of a training category beside online DFlash τ of the suite of the same name only
