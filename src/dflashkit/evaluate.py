@@ -39,6 +39,7 @@ import functools
 import json
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -582,8 +583,6 @@ def bootstrap_intervals(rows: dict[str, list[tuple[float, int]]], against: dict[
     the worst/best ratio, the central `level` interval of the draws. against: another drafter's
     rows on the same prompts: then the intervals are of the differences (rows - against), each draw
     taking the same prompts for both (paired, so a difference is known far better than either τ)."""
-    import random
-
     rng = random.Random(seed)
     names = [s for s in rows if rows[s]]
     samples: dict[str, list[float]] = {s: [] for s in [*names, "mean", "worst_to_best"]}
