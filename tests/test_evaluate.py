@@ -290,10 +290,10 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
             r["tau"][f"e/{lab}"], r["rounds"][f"e/{lab}"] = r["tau"][f"d/{lab}"] + 1, r["rounds"][f"d/{lab}"]
     rep["differences"] = paired_differences(rep, ["a", "b"])
     for lab in ("dflash", "ddtree-4"):
-        d = rep["differences"]["e - d"][lab]
-        assert all(d[k]["diff"] == pytest.approx(1) and d[k]["interval"] == pytest.approx((1, 1), abs=0.01)
+        d = rep["differences"]["d - e"][lab]  # the first named against each later one
+        assert all(d[k]["diff"] == pytest.approx(-1) and d[k]["interval"] == pytest.approx((-1, -1), abs=0.01)
                    for k in ("a", "b", "mean"))
-    assert "| e - d | dflash | +1.00 (+1.00 to +1.00)" in markdown(rep)
+    assert "| d - e | dflash | -1.00 (-1.00 to -1.00)" in markdown(rep)
     check_partings(rep)  # nothing to explain
     assert parting_summary(rep) == {}
     # τ_sim of a training category beside online DFlash τ of the suite of the same name only

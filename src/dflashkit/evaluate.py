@@ -553,24 +553,24 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
 
 
 def paired_differences(report: dict[str, Any], suites: list[str]) -> dict[str, dict[str, Any]]:
-    """Each drafter after the first against the first, per method: τ differences per suite and of
-    the mean, with paired 90 % intervals over prompts (`bootstrap_intervals(..., against=...)`)."""
-    names = list(report["drafters"])
+    """The first drafter named (the new one, as `--drafter new=... --drafter old=...` is written)
+    against each later one, per method: τ differences per suite and of the mean, with paired 90 %
+    intervals over prompts (`bootstrap_intervals(..., against=...)`)."""
+    first, *others = list(report["drafters"])
     out: dict[str, dict[str, Any]] = {}
 
     def rows(name: str, lab: str) -> dict[str, list[tuple[float, int]]]:
         return {s: [(r["tau"][f"{name}/{lab}"], r["rounds"][f"{name}/{lab}"]) for r in report["per_prompt"]
                     if r["suite"] == s] for s in suites}
 
-    for name in names[1:]:
-        for lab in report["drafters"][name]["methods"]:
-            ref = rows(names[0], lab)
-            spread = bootstrap_intervals(rows(name, lab), against=ref)
+    for other in others:
+        for lab in report["drafters"][first]["methods"]:
+            spread = bootstrap_intervals(rows(first, lab), against=rows(other, lab))
             per = {s: report["suites"][s]["drafters"] for s in suites}
-            out.setdefault(f"{name} - {names[0]}", {})[lab] = {
-                **{s: {"diff": per[s][name][lab]["tau"] - per[s][names[0]][lab]["tau"], "interval": spread[s]}
+            out.setdefault(f"{first} - {other}", {})[lab] = {
+                **{s: {"diff": per[s][first][lab]["tau"] - per[s][other][lab]["tau"], "interval": spread[s]}
                    for s in suites},
-                "mean": {"diff": report["headline"][name][lab]["mean_tau"] - report["headline"][names[0]][lab]["mean_tau"],
+                "mean": {"diff": report["headline"][first][lab]["mean_tau"] - report["headline"][other][lab]["mean_tau"],
                          "interval": spread["mean"]}}
     return out
 
