@@ -41,7 +41,6 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -364,69 +363,34 @@ def kernel_table(run, device: torch.device, top: int) -> dict:
     return per_round
 
 
-def stage_kernels(run, top: int, device_type: Any = None) -> dict:
+def stage_kernels(run, top: int) -> dict:
     """The kernels of each stage of a round (draft, tree, verify, commit), per round: `run()` is a
-    generation with `profile=True`, whose loop synchronises CUDA at every stage boundary, so a
-    kernel belongs to the stage in whose host interval (a profiler range per stage) it starts.
-    (device_type: the events to classify; CUDA kernels unless given.)"""
+    generation with `profile=True`, whose loop synchronises CUDA at every stage boundary and marks
+    it in the trace (`loop.STAGE_END`), so a kernel belongs to the stage of the first mark after it
+    starts."""
     from torch.autograd import DeviceType
-    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    from dflashkit.decode import loop
+    from dflashkit.decode.loop import STAGE_END
 
-    names: list[str] = []  # the stage each numbered range turned out to be
-    opened: list = []
-    start, mark = loop._Stages.start, loop._Stages.mark
-
-    def open_range() -> None:
-        opened.append(record_function(f"stage#{len(names) + len(opened)}"))
-        opened[-1].__enter__()
-
-    def close_range(stage: str) -> None:
-        if opened:
-            opened.pop().__exit__(None, None, None)
-            names.append(stage)
-
-    def staged_start(self) -> None:
-        start(self)
-        close_range("other")  # (host work between a round's commit and the next draft)
-        open_range()
-
-    def staged_mark(self, stage: str) -> None:
-        mark(self, stage)
-        close_range(stage)
-        open_range()
-
-    device_type = DeviceType.CUDA if device_type is None else device_type
-    loop._Stages.start, loop._Stages.mark = staged_start, staged_mark
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            g = run()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            close_range("other")
-    finally:
-        loop._Stages.start, loop._Stages.mark = start, mark
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        g = run()
     events = prof.events()
-    ranges = sorted((e.time_range.start, e.time_range.end, names[int(e.name[6:])]) for e in events
-                    if e.name.startswith("stage#") and int(e.name[6:]) < len(names))
-    starts = [a for a, _, _ in ranges]
+    marks = sorted((e.time_range.start, e.name[len(STAGE_END):]) for e in events if e.name.startswith(STAGE_END))
+    times = [t for t, _ in marks]
     out: dict[str, dict] = {}
     for e in events:
-        if e.device_type != device_type:
+        if e.device_type != DeviceType.CUDA or e.name.startswith(STAGE_END):
             continue
-        t = e.time_range.start
-        i = bisect.bisect_right(starts, t) - 1
-        stage = ranges[i][2] if i >= 0 and t <= ranges[i][1] and not e.name.startswith("stage#") else "outside"
-        d = out.setdefault(stage, {"us": 0.0, "launches": 0.0, "kernels": {}})
+        i = bisect.bisect_left(times, e.time_range.start)
+        d = out.setdefault(marks[i][1] if i < len(marks) else "outside", {"us": 0.0, "launches": 0.0, "kernels": {}})
         d["us"] += e.time_range.elapsed_us() / g.rounds
         d["launches"] += 1 / g.rounds
         d["kernels"][e.name[:90]] = d["kernels"].get(e.name[:90], 0.0) + e.time_range.elapsed_us() / g.rounds
     for stage, d in out.items():
         d["kernels"] = dict(sorted(d["kernels"].items(), key=lambda kv: -kv[1])[:top])
         print(f"  stage {stage}: {d['us']:.0f} us, {d['launches']:.0f} kernels per round; largest:")
-        for k, us in list(d["kernels"].items())[:top]:
+        for k, us in d["kernels"].items():
             print(f"    {us:8.1f} us  {k}")
     return out
 

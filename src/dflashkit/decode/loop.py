@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from dflashkit.decode import cost
 from dflashkit.decode.cache import HostCopy, to_device
@@ -45,27 +46,35 @@ from dflashkit.decode.tree import Trees, chains, prefix, verification, walk
 
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
+STAGE_END = "stage end: "  # profiler marks of a profiled stream (`_Stages`)
 GREEDY = Sampling()
 
 
 class _Stages:
-    """Wall time per stage; synchronises CUDA at each boundary so that the times are honest."""
+    """Wall time per stage; synchronises CUDA at each boundary so that the times are honest, and
+    marks each boundary in a profiler's trace (an empty `record_function` named `STAGE_END` +
+    the stage that ended; 'between rounds' at a round's start): a kernel belongs to the stage
+    of the first mark after it starts."""
 
     def __init__(self, on: bool, device: torch.device) -> None:
         self.on, self.cuda = on, device.type == "cuda"
         self.seconds: dict[str, float] = defaultdict(float)
         self.t = 0.0
 
+    def _boundary(self, stage: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        with record_function(STAGE_END + stage):
+            pass
+
     def start(self) -> None:
         if self.on:
-            if self.cuda:
-                torch.cuda.synchronize()
+            self._boundary("between rounds")
             self.t = time.perf_counter()
 
     def mark(self, stage: str) -> None:
         if self.on:
-            if self.cuda:
-                torch.cuda.synchronize()
+            self._boundary(stage)
             now = time.perf_counter()
             self.seconds[stage] += now - self.t
             self.t = now
