@@ -490,7 +490,7 @@ def write_context(drafter: DFlashDrafter, cache: Any, new_features: Tensor, slot
     ctx, rope_c = drafter.context(new_features, slots)
     drafter.allocate(cache, ctx)
     for i, layer in enumerate(drafter.layers):
-        cache.layer(i).write(*layer.self_attn._kv(ctx, *rope_c), slots)
+        cache.layer(i).store(*layer.self_attn._kv(ctx, *rope_c), slots)
 
 
 def additive(mask: Any, dtype: torch.dtype) -> Any:
