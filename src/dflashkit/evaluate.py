@@ -541,9 +541,7 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
                                    "best_suite": best, "best_tau": per[best]["tau"],
                                    # how evenly the drafter serves the suites: 1 = alike
                                    "worst_to_best": per[worst]["tau"] / max(per[best]["tau"], 1e-9)}
-            rows = {s: [(r["tau"][f"{name}/{lab}"], r["rounds"][f"{name}/{lab}"]) for r in report["per_prompt"]
-                        if r["suite"] == s] for s in table}
-            spread = bootstrap_intervals(rows)
+            spread = bootstrap_intervals(prompt_rounds(report, name, lab, list(table)))
             for s in table:
                 table[s]["drafters"][name][lab]["tau_interval"] = spread[s]
             headline[name][lab].update(mean_tau_interval=spread["mean"], worst_to_best_interval=spread["worst_to_best"])
@@ -557,22 +555,24 @@ def paired_differences(report: dict[str, Any], suites: list[str]) -> dict[str, d
     against each later one, per method: τ differences per suite and of the mean, with paired 90 %
     intervals over prompts (`bootstrap_intervals(..., against=...)`)."""
     first, *others = list(report["drafters"])
+    per = {s: report["suites"][s]["drafters"] for s in suites}
     out: dict[str, dict[str, Any]] = {}
-
-    def rows(name: str, lab: str) -> dict[str, list[tuple[float, int]]]:
-        return {s: [(r["tau"][f"{name}/{lab}"], r["rounds"][f"{name}/{lab}"]) for r in report["per_prompt"]
-                    if r["suite"] == s] for s in suites}
-
     for other in others:
         for lab in report["drafters"][first]["methods"]:
-            spread = bootstrap_intervals(rows(first, lab), against=rows(other, lab))
-            per = {s: report["suites"][s]["drafters"] for s in suites}
+            spread = bootstrap_intervals(prompt_rounds(report, first, lab, suites),
+                                         against=prompt_rounds(report, other, lab, suites))
             out.setdefault(f"{first} - {other}", {})[lab] = {
                 **{s: {"diff": per[s][first][lab]["tau"] - per[s][other][lab]["tau"], "interval": spread[s]}
                    for s in suites},
                 "mean": {"diff": report["headline"][first][lab]["mean_tau"] - report["headline"][other][lab]["mean_tau"],
                          "interval": spread["mean"]}}
     return out
+
+
+def prompt_rounds(report: dict[str, Any], name: str, lab: str, suites: list[str]) -> dict[str, list[tuple[float, int]]]:
+    """Per suite, each prompt's (τ, rounds) for one drafter and method: what `bootstrap_intervals` resamples."""
+    key = f"{name}/{lab}"
+    return {s: [(r["tau"][key], r["rounds"][key]) for r in report["per_prompt"] if r["suite"] == s] for s in suites}
 
 
 def bootstrap_intervals(rows: dict[str, list[tuple[float, int]]], against: dict[str, list[tuple[float, int]]] | None = None,
