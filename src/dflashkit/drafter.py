@@ -193,14 +193,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @dataclass
 class CacheSlots:
     """Where one inference block's keys/values go: a `decode.cache.KVCache` of the drafter's
-    layers (one layer's `LayerKV` inside a layer), the new context's slots [b, c], the block's
-    slots [b, B] (written after the context, so they overwrite its padding), and the `n` slots
-    every query looks at."""
+    layers, the new context's slots [b, c], the block's slots [b, B] (written after the context,
+    so they overwrite its padding), the `n` slots every query looks at, and, inside a layer, the
+    layer's index in the cache."""
 
     kv: Any
     ctx_slots: Tensor
     blk_slots: Tensor
     n: int
+    layer: int = 0
 
 
 FEW_QUERIES = 128  # queries of a one-row CUDA pass up to which `attend_few` replaces SDPA
@@ -273,9 +274,9 @@ class Attention(nn.Module):
         if cache is None:  # training: the whole context, then every block
             k, v = torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2)
         else:
-            cache.kv.store(k_ctx, v_ctx, cache.ctx_slots)  # (then the block: it overwrites the context's padding)
-            cache.kv.store(k_blk, v_blk, cache.blk_slots)
-            k, v = cache.kv.view(cache.n)
+            cache.kv.store(cache.layer, k_ctx, v_ctx, cache.ctx_slots)  # (then the block: it overwrites the context's padding)
+            cache.kv.store(cache.layer, k_blk, v_blk, cache.blk_slots)
+            k, v = cache.kv.view(cache.layer, cache.n)
         out = attend(q, k, v, mask, self.kv != self.h)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
@@ -350,7 +351,7 @@ class DFlashDrafter(nn.Module):
         else:
             lengths_dynamic((x, ctx, *rope_q, *rope_c), layer_masks.values())
         for i, layer in enumerate(self.layers):
-            mine = None if cache is None else replace(cache, kv=cache.kv.layer(i))
+            mine = None if cache is None else replace(cache, layer=i)
             x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine)
         return self.norm(x)
 
@@ -490,7 +491,7 @@ def write_context(drafter: DFlashDrafter, cache: Any, new_features: Tensor, slot
     ctx, rope_c = drafter.context(new_features, slots)
     drafter.allocate(cache, ctx)
     for i, layer in enumerate(drafter.layers):
-        cache.layer(i).store(*layer.self_attn._kv(ctx, *rope_c), slots)
+        cache.store(i, *layer.self_attn._kv(ctx, *rope_c), slots)
 
 
 def additive(mask: Any, dtype: torch.dtype) -> Any:

@@ -103,6 +103,17 @@ class KVCache:
         self.allocate(k)
         self.layer(layer).write(k, v, slots)
 
+    def store(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """`write` through an op that torch.compile cannot see into (`store_kv`), for a compiled
+        function over several layers of this cache (the drafter's step): there an `index_put_`
+        into one layer's view of the shared buffer makes Inductor build the whole updated buffer
+        and copy it back, keys and values, every call (on an H200, 135 us of a 2.6 ms DFlash round
+        at 32 rows, and growing with the cache's capacity), where this op writes the slots in place.
+        The op takes the whole buffers and the layer's index, not the layer's views: Inductor
+        (torch 2.11-2.13) sent an opaque op's in-place writes into two views of one buffer to the
+        same place, every layer's keys into the first layer's slots."""
+        store_kv(self.k, self.v, layer, k, v, slots)
+
     def span(self, n: int, bucket: int = 1) -> int:
         """Slots a pass attends over to see the first n: n rounded up to a multiple of `bucket`
         (fewer distinct shapes for CUDA graphs), within the capacity."""
@@ -253,33 +264,25 @@ class LayerKV(NamedTuple):
         self.k.index_put_(idx, k.to(self.k.dtype))
         self.v.index_put_(idx, v.to(self.v.dtype))
 
-    def store(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """`write` through an op that torch.compile cannot see into (`store_kv`), for a compiled
-        function over several layers of one cache (the drafter's step): there an `index_put_`
-        into one layer's view of the shared buffer makes Inductor build the whole updated buffer
-        and copy it back, keys and values, every call (on an H200, 135 us of a 2.6 ms DFlash round
-        at 32 rows, and growing with the cache's capacity), where this op writes the slots in place."""
-        store_kv(self.k, self.v, k, v, slots)
-
     def view(self, n: int) -> tuple[Tensor, Tensor]:
         """Keys and values of slots [0, n): [b, kv_heads, n, head_dim] views."""
         return self.k[:, :, :n], self.v[:, :, :n]
 
 
 @torch.library.custom_op("dflashkit::store_kv", mutates_args=("k_cache", "v_cache"))
-def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
-    """`LayerKV.write` as an opaque op: k/v [b, kv_heads, t, head_dim] into the caches [b, kv_heads,
-    capacity, head_dim] at slots [b, t]. Eager, so a `scatter_`: one kernel per tensor that reads
-    k/v with their strides (an eager `index_put_` first copies them contiguous and broadcasts
-    its indices: four launches)."""
+def store_kv(k_cache: Tensor, v_cache: Tensor, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """`KVCache.store` as an opaque op: one layer's k/v [b, kv_heads, t, head_dim] into the
+    buffers [layers, b, kv_heads, capacity, head_dim] at slots [b, t]. Eager, so a `scatter_`: one
+    kernel per tensor that reads k/v with their strides (an eager `index_put_` first copies them
+    contiguous and broadcasts its indices: four launches)."""
     b, h, t, d = k.shape
     idx = slots[:, None, :, None].expand(b, h, t, d)
-    k_cache.scatter_(2, idx, k.to(k_cache.dtype))
-    v_cache.scatter_(2, idx, v.to(v_cache.dtype))
+    k_cache[layer].scatter_(2, idx, k.to(k_cache.dtype))
+    v_cache[layer].scatter_(2, idx, v.to(v_cache.dtype))
 
 
 @store_kv.register_fake
-def _(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+def _(k_cache: Tensor, v_cache: Tensor, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
     return None
 
 
