@@ -9,7 +9,13 @@ runner with CUDA graphs on a GPU). Rows stop at the target's stop tokens or `--m
 batches shrink as rows finish. tokens/s = generated tokens / wall time including prefill;
 "vs AR" is against AR at the same batch size and mode, "speed-up" against AR at batch 1; "tail" (groups
 only): the row-rounds the groups ran (each row as many as its group's slowest) over those its
-rows needed, what waiting for the slowest row costs. Each
+rows needed, what waiting for the slowest row costs. "rounds": the batch's verification passes in the
+timed pass, "ms/round" the wall time per pass, "occupancy" the rows that decoded in a pass over the
+rows a pass runs (`batch` on a CUDA-graph engine; elsewhere finished rows leave the batch and cost
+nothing) (a finished row that waits for its group, or an idle row of a CUDA-graph batch
+waiting for enough free rows to admit, costs as much as a decoding one), "joins" the admissions
+(continuous), "captures" the CUDA graphs captured in the timed pass (0 unless it met a shape the
+untimed pass did not). Each
 configuration first runs the same work untimed (CUDA-graph capture and compilation happen once
 per shape; a shorter warm-up left them in whichever method ran first); CUDA is synchronised
 before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size and
@@ -36,6 +42,7 @@ from dflashkit.checkpoint import load_drafter
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
 from dflashkit.decode.loop import generate_batch, make_engine
+from dflashkit.decode.static import Graphs
 from dflashkit.demo import bundled_drafter_dir
 from dflashkit.target import load_target
 
@@ -52,7 +59,9 @@ def parse_method(label: str) -> tuple[str, int | None]:
 
 
 def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
-            stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation]]:
+            stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation], dict]:
+    """-> seconds, the generations, and what the timed pass ran: batch rounds (verification
+    passes), joins, and CUDA graphs captured (none, unless a shape the untimed pass never met)."""
     method, budget = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
@@ -60,20 +69,41 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
         groups, kw["rows"], kw["refill"] = [prompts], batch, refill
     for grp in groups:  # an untimed pass over the same work: graph capture and compilation stay out of the numbers
         generate_batch(engine, grp, **kw)
+    counts = {"batch_rounds": 0, "joins": 0}
+
+    def counted(name: str, key: str) -> None:
+        fn = getattr(engine, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            counts[key] += 1
+            return fn(*a, **k)
+        setattr(engine, name, wrapper)
+
+    counted("verify", "batch_rounds")
+    counted("join", "joins")
+    captured = Graphs.captured
     sync(engine.target.device)
     t0 = time.perf_counter()
-    gens = [g for grp in groups for g in generate_batch(engine, grp, **kw)]
-    sync(engine.target.device)
-    return time.perf_counter() - t0, gens
+    try:
+        gens = [g for grp in groups for g in generate_batch(engine, grp, **kw)]
+        sync(engine.target.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        del engine.verify, engine.join  # the class's methods again
+    counts["captures"] = Graphs.captured - captured
+    return seconds, gens, counts
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["mode", "method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "tail", "identical"]
+    head = ["mode", "method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "tail",
+            "rounds", "ms/round", "occupancy", "joins", "captures", "identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tail = f"{r['tail']:.2f}x" if "tail" in r else "-"
         lines.append(f"| {r['mode']} | {r['method']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['vs_ar']:.2f}x | {r['speedup']:.2f}x | {r['tau']:.2f} | {tail} | {r['identical']}/{r['prompts']} |")
+                     f"{r['vs_ar']:.2f}x | {r['speedup']:.2f}x | {r['tau']:.2f} | {tail} | {r['batch_rounds']} | "
+                     f"{r['ms_per_round']:.2f} | {r['occupancy']:.2f} | {r['joins']} | {r['captures']} | "
+                     f"{r['identical']}/{r['prompts']} |")
     return "\n".join(lines)
 
 
@@ -121,7 +151,7 @@ def main() -> None:
         for batch in sizes:
             for method in methods:
                 eng = engines["ar" if method == "ar" else "spec"]
-                seconds, gens = measure(eng, prompts, method, batch, args.max_new_tokens, stops, mode == "continuous",
+                seconds, gens, counts = measure(eng, prompts, method, batch, args.max_new_tokens, stops, mode == "continuous",
                                         args.refill)
                 ar_at.setdefault((mode, batch), gens)
                 tokens = sum(len(g.tokens) for g in gens)
@@ -129,7 +159,10 @@ def main() -> None:
                 row = {"mode": mode, "method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
                        "seconds": seconds, "tokens_per_s": tokens / seconds,
                        "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
-                       "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[mode, batch]))}
+                       "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[mode, batch])), **counts,
+                       # rows that decoded in a round, over the rows a round runs (idle and waiting rows cost the same)
+                       "occupancy": rounds / max(1, counts["batch_rounds"] * batch),
+                       "ms_per_round": 1e3 * seconds / max(1, counts["batch_rounds"])}
                 if mode == "groups":  # a group runs as many rounds as its slowest row
                     groups = [gens[i:i + batch] for i in range(0, len(gens), batch)]
                     row["tail"] = sum(max(g.rounds for g in grp) * len(grp) for grp in groups) / max(1, rounds)

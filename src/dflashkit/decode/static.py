@@ -418,6 +418,8 @@ class Graphs:
     signature, so the caller must copy out what it keeps; shared=another `Graphs`: this one takes
     its memory from that one's pool (and the same rule holds across both)."""
 
+    captured = 0  # graphs captured by every instance so far (benchmarks check that timed work captures none)
+
     def __init__(self, fn: Callable, buffers: Callable[[], Any] = lambda: None,
                  preserve: Callable[[], list[Tensor]] = list, shared: bool | Graphs = False) -> None:
         self.fn, self.buffers, self.preserve = fn, buffers, preserve
@@ -457,6 +459,7 @@ class Graphs:
             for t, v in zip(self.preserve(), kept):
                 t.copy_(v)
             self.graphs[key] = (graph, static, out)
+            Graphs.captured += 1
         graph, static, out = self.graphs[key]
         for s, t in zip(static, tensors):
             s.copy_(t)
