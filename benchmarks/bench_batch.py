@@ -167,7 +167,12 @@ def main() -> None:
                     groups = [gens[i:i + batch] for i in range(0, len(gens), batch)]
                     row["tail"] = sum(max(g.rounds for g in grp) * len(grp) for grp in groups) / max(1, rounds)
                 rows.append(row)
-                print(f"{mode} {method} batch {batch}: {tokens / seconds:.1f} tokens/s", flush=True)
+                print(f"{mode} {method} batch {batch}: {tokens / seconds:.1f} tokens/s, τ {row['tau']:.2f}, "
+                      f"{counts['batch_rounds']} rounds of {row['ms_per_round']:.2f} ms, occupancy {row['occupancy']:.2f}, "
+                      f"{counts['joins']} joins, {counts['captures']} graphs captured", flush=True)
+                if args.json:  # after each measurement: a run cut short keeps what it measured
+                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
 
     def ar(mode: str, batch: int) -> float:
         return next(a for a in rows if a["method"] == "ar" and a["mode"] == mode and a["batch"] == batch)["tokens_per_s"]
