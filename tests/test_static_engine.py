@@ -131,15 +131,23 @@ def test_joins_capture_no_new_graphs(monkeypatch):
 def test_joins_replay_staging_graphs_captured_before_serving(monkeypatch):
     """Requests joining a running graph engine are prefilled by staging engines (`Engine.join`:
     rows padded to a power of two with copies of a prompt, lengths to geometric buckets) whose
-    graphs `warm_joins` captures before serving: the joins then capture nothing, groups too large
-    for a staging pass run eagerly on a fresh engine, and every answer equals decoding its prompt
-    alone (so the padding rows and the padding tokens never reach a real row). Rounds are read
-    a round late, as on a GPU: requests join while the round after a row's end still runs."""
+    graphs `warm_joins` captures before serving: the joins then capture nothing, a group too large
+    for one staging pass is split into groups that fit (none runs eagerly on a fresh engine), and
+    every answer equals decoding its prompt alone (so the padding rows and the padding tokens
+    never reach a real row). Rounds are read a round late, as on a GPU: requests join while the
+    round after a row's end still runs."""
     from dflashkit.decode.loop import Request, decode_stream
 
     read_late(monkeypatch)
     captures: dict[str, int] = {}
     engine = _counting_engine(monkeypatch, captures)
+    stage, eager = engine._stage, []
+
+    def counted_stage(prompts):
+        new, run = stage(prompts)
+        eager.extend([len(prompts)] if new not in engine.stagings.values() else [])
+        return new, run
+    monkeypatch.setattr(engine, "_stage", counted_stage)
     engine.join_pass = 512  # (smaller than on a GPU: fewer warm-up passes on the CPU)
     g = torch.Generator().manual_seed(4)
     # short prompts, and a long one now and then (a group with it is too large for a staging pass)
@@ -147,7 +155,7 @@ def test_joins_replay_staging_graphs_captured_before_serving(monkeypatch):
     prompts = [torch.randint(3, 120, (n,), generator=g) for n in lengths]
     rows, queue, joins = 8, iter(range(8, 40)), []
 
-    def admit(running: int) -> list[Request]:  # groups of 1 to 8 (8 x 256 tokens > 512: eagerly)
+    def admit(running: int) -> list[Request]:  # groups of 1 to 8 (8 x 256 tokens > 512: split)
         new = [i for _, i in zip(range(rows - running), queue)]
         joins.extend([len(new)] if new and running else [])
         return [Request(prompts[i], limits[i]) for i in new]
@@ -160,7 +168,8 @@ def test_joins_replay_staging_graphs_captured_before_serving(monkeypatch):
     out = {}
     for step in decode_stream(engine, prompts[:rows], method="dflash", max_new_tokens=limits[:rows], admit=admit):
         out.update((i, g.tokens) for i, _, g in step if g.finish_reason)
-    assert len(out) == 40 and len(joins) >= 5 and any(n & (n - 1) for n in joins), joins  # (some counts padded)
+    assert len(out) == 40 and len(joins) >= 5 and any(n & (n - 1) for n in joins), joins  # (some counts split)
+    assert not eager, eager
     assert {m: set(stage.run.prefills.keys) for m, stage in engine.stagings.items()} == shapes
     assert sum(stage.run.prefills.calls for stage in engine.stagings.values()) > sum(map(len, shapes.values()))
     alone = static_engine(engine.target, engine.drafter, cuda_graphs=False)

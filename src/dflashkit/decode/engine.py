@@ -436,16 +436,45 @@ class Engine:
             new.pending, new.pending_counts = new.pending[:, :0], [0] * len(run)
         return new, logits
 
+    def _join_groups(self, prompts: Sequence[Tensor]) -> list[range]:
+        """The prompts of a join in consecutive groups that each fill one staging pass (`_stage`):
+        a power of two of them, as many as fit `join_pass` tokens at their length bucket. As one
+        pass, a join of 9 prompts was padded to 16 rows, which at a 512-token bucket (one prompt
+        over 256 tokens) no staging pass holds: it ran eagerly on a fresh engine (about 1,200
+        launches for a SmolLM2-sized target) while every running row waited, where 8 + 1 replay
+        two captured graphs. A prompt too long for any staging pass goes alone, eagerly."""
+        if not self.join_pass:
+            return [range(len(prompts))]
+        groups, i = [], 0
+        while i < len(prompts):
+            n = 1
+            while i + 2 * n <= len(prompts) and small(2 * n, bucket(max(map(len, prompts[i:i + 2 * n])), True),
+                                                      self.join_pass):
+                n *= 2
+            groups.append(range(i, i + n))
+            i += n
+        return groups
+
     @_passes
     def join(self, prompts: Sequence[Tensor], rows: Sequence[int], capacity: int) -> Tensor:
         """Prefill `prompts` beside the running batch and put them into rows `rows` (idle rows
         of this batch, or indices from `batch` on to append): their caches, lengths and pending
-        features, as if prefilled with the others (room for `capacity` positions, as `prefill`).
-        -> logits at each prompt's last token [m, V]. Into idle rows, rounds committed on the
-        device may still be unsettled: their `settle` must then count 0 for the rows taken."""
+        features, as if prefilled with the others (room for `capacity` positions, as `prefill`),
+        in groups that staging passes hold (`_join_groups`). -> logits at each prompt's last
+        token [m, V]. Into idle rows, rounds committed on the device may still be unsettled:
+        their `settle` must then count 0 for the rows taken."""
         if max(rows) >= self.batch:
             self._settled("join")
-        new, logits = self._prefill_joining(prompts)
+        logits = []
+        for group in self._join_groups(prompts):
+            new, part = self._prefill_joining([prompts[i] for i in group])
+            self._take_rows(new, [rows[i] for i in group], capacity)
+            logits.append(part)
+        return torch.cat(logits)
+
+    def _take_rows(self, new: Engine, rows: Sequence[int], capacity: int) -> None:
+        """`join`'s second half: the rows of `new` (a joining group's prefill) become `rows` of
+        this batch."""
         self.cache.put_rows(new.cache, rows)
         self.cache.reserve(capacity)
         if self.dcache is not None:
@@ -465,7 +494,6 @@ class Engine:
             self.pending_counts = self.pending_counts + [0] * extra
             for r, n in zip(rows, new.pending_counts):
                 self.pending_counts[r] = n
-        return logits
 
     @_passes
     def warm_joins(self, rows: int) -> None:
