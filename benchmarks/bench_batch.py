@@ -14,7 +14,8 @@ timed pass, "ms/round" the wall time per pass, "occupancy" the rows that decoded
 rows a pass runs (`batch` on a CUDA-graph engine; elsewhere finished rows leave the batch and cost
 nothing) (a finished row that waits for its group, or an idle row of a CUDA-graph batch
 waiting for enough free rows to admit, costs as much as a decoding one), "joins" the admissions
-(continuous), "captures" the CUDA graphs captured in the timed pass (0 unless it met a shape the
+(continuous; the JSON also counts the join groups prefilled eagerly, `eager_joins`: a prompt too long
+for a staging pass), "captures" the CUDA graphs captured in the timed pass (0 unless it met a shape the
 untimed pass did not). Each
 configuration first runs the same work untimed (CUDA-graph capture and compilation happen once
 per shape; a shorter warm-up left them in whichever method ran first); CUDA is synchronised
@@ -81,7 +82,7 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
 
     counted("verify", "batch_rounds")
     counted("join", "joins")
-    captured = Graphs.captured
+    captured, eager = Graphs.captured, engine.eager_joins
     sync(engine.target.device)
     t0 = time.perf_counter()
     try:
@@ -91,6 +92,7 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
     finally:
         del engine.verify, engine.join  # the class's methods again
     counts["captures"] = Graphs.captured - captured
+    counts["eager_joins"] = engine.eager_joins - eager
     return seconds, gens, counts
 
 
@@ -169,7 +171,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"{mode} {method} batch {batch}: {tokens / seconds:.1f} tokens/s, τ {row['tau']:.2f}, "
                       f"{counts['batch_rounds']} rounds of {row['ms_per_round']:.2f} ms, occupancy {row['occupancy']:.2f}, "
-                      f"{counts['joins']} joins, {counts['captures']} graphs captured", flush=True)
+                      f"{counts['joins']} joins ({counts['eager_joins']} groups eagerly), "
+                      f"{counts['captures']} graphs captured", flush=True)
                 if args.json:  # after each measurement: a run cut short keeps what it measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -225,12 +225,13 @@ class Engine:
         # replays them from CUDA graphs); 0: such passes run at their own length, eagerly.
         self.small_pass = 0
         self.geometric = False  # lengths padded to `bucket(geometric=True)` (a staging engine's)
-        # Joins (`join`) of at most this many rows x tokens, rows padded to a power of two and
-        # lengths to geometric buckets, are prefilled by a staging engine per row count whose
+        # Joins (`join`) are prefilled in groups of a power of two rows of at most this many rows x
+        # tokens (lengths padded to geometric buckets), by a staging engine per row count whose
         # caches persist and whose runner (`twin`) replays CUDA graphs; 0: a fresh engine each
         # time, eagerly.
         self.join_pass = 0
         self.stagings: dict[int, Engine] = {}
+        self.eager_joins = 0  # join groups prefilled eagerly on a fresh engine (no staging here, or a prompt too long)
         self.late: collections.deque[tuple[Tensor, int]] = collections.deque()  # `commit_walk`s not settled yet
 
     @property
@@ -418,6 +419,7 @@ class Engine:
                 stage.small_pass, stage.geometric = self.join_pass, True
                 self.stagings[rows] = stage
             return self.stagings[rows], [*prompts, *[prompts[-1]] * (rows - m)]
+        self.eager_joins += 1
         fresh = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
         fresh.lm_head, fresh.draft_head = self.lm_head, self.draft_head
         return fresh, list(prompts)
