@@ -1,0 +1,80 @@
+"""How a continuous batch's joins are prefilled: staging passes (CUDA graphs on a GPU) or eagerly.
+
+Continuous batching (`decode.loop.generate_batch(rows=...)`, as `serve` runs) admits requests
+into the places of finished rows once `--refill` of the rows are free. On a graph engine a join
+is prefilled in power-of-two groups by staging engines whose passes replay captured graphs, and
+only a group no staging pass holds runs eagerly on a fresh engine, which every running row waits
+for (`Engine.join`). This script runs the graph engine's scheduling and join logic without the
+graphs, so it runs on a CPU too, on the SmolLM2 testbed with the bundled drafter and the first N
+HumanEval prompts, and prints each join's group sizes, how many ran eagerly, and τ. Which groups
+form depends on when rows end, that is on the drafter's acceptance: AR's rows of equal length end
+together, DFlash's do not.
+
+    python benchmarks/bench_joins.py --rows 32 --prompts 128 --max-new-tokens 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit.checkpoint import load_drafter
+from dflashkit.data.prompts import load_prompts
+from dflashkit.decode import static
+from dflashkit.decode.engine import Engine
+from dflashkit.decode.loop import generate_batch
+from dflashkit.demo import bundled_drafter_dir
+from dflashkit.evaluate import eval_prompts
+from dflashkit.target import load_target
+from dflashkit.vocab import stop_token_ids
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=32, help="rows of the batch (default 32)")
+    p.add_argument("--prompts", type=int, default=128, help="first N HumanEval prompts (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--method", default="dflash", choices=("ar", "dflash"))
+    p.add_argument("--refill", type=float, default=0.25, help="share of free rows that admits a join (default 0.25)")
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args()
+
+    target = load_target()
+    drafter = load_drafter(bundled_drafter_dir(), target, dtype=target.dtype)
+    prompts = [pr.ids for pr in eval_prompts(load_prompts("humaneval", limit=args.prompts), target.tokenizer)]
+    stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+    # The graph engine's settings (`static.static_engine` on CUDA), its passes run eagerly.
+    engine = Engine(target, drafter if args.method == "dflash" else None,
+                    static.StaticRunner(target, list(drafter.config.target_layer_ids)))
+    engine.slot_bucket, engine.fixed_rows = static.SLOT_BUCKET, True
+    engine.small_pass, engine.join_pass = static.SMALL_PASS_TOKENS, static.JOIN_PASS_TOKENS
+    groups: list[tuple[int, bool]] = []  # (prompts, eagerly) per prefill of a join group
+    stage = engine._stage
+
+    def recorded(ps):
+        new, run = stage(ps)
+        groups.append((len(ps), new not in engine.stagings.values()))
+        return new, run
+
+    engine._stage = recorded
+    t0 = time.perf_counter()
+    gens = generate_batch(engine, prompts, rows=args.rows, refill=args.refill, method=args.method,
+                          max_new_tokens=args.max_new_tokens, stop_ids=stops)
+    out = {"settings": vars(args), "seconds": time.perf_counter() - t0,
+           "tau": sum(len(g.tokens) for g in gens) / max(1, sum(g.rounds for g in gens)),
+           "join_groups": [m for m, _ in groups], "eager_groups": [m for m, e in groups if e]}
+    print(f"{args.method}, {args.rows} rows, {len(prompts)} prompts: τ {out['tau']:.2f}; "
+          f"{len(groups)} join groups prefilled, {len(out['eager_groups'])} eagerly "
+          f"(sizes {out['eager_groups']}); group sizes {out['join_groups']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
