@@ -6,7 +6,10 @@ is prefilled in power-of-two groups by staging engines whose passes replay captu
 only a group no staging pass holds runs eagerly on a fresh engine, which every running row waits
 for (`Engine.join`). This script runs the graph engine's scheduling and join logic without the
 graphs, so it runs on a CPU too, on the SmolLM2 testbed with the bundled drafter and the first N
-HumanEval prompts, and prints each join's group sizes, how many ran eagerly, and τ. Which groups
+HumanEval prompts, and prints each join's group sizes, how many ran eagerly, τ, the batch's
+rounds and its occupancy (rows that decoded in a round over the rows a round runs: on a graph
+engine, finished rows waiting for enough free places to admit cost as much as decoding ones),
+beside the rounds groups mode would run and the rounds with every row always busy. Which groups
 form depends on when rows end, that is on the drafter's acceptance: AR's rows of equal length end
 together, DFlash's do not.
 
@@ -61,13 +64,29 @@ def main() -> None:
         return new, run
 
     engine._stage = recorded
+    verify, rounds = engine.verify, [0]
+
+    def counted(*a, **k):
+        rounds[0] += 1
+        return verify(*a, **k)
+
+    engine.verify = counted
     t0 = time.perf_counter()
     gens = generate_batch(engine, prompts, rows=args.rows, refill=args.refill, method=args.method,
                           max_new_tokens=args.max_new_tokens, stop_ids=stops)
+    row_rounds = sum(g.rounds for g in gens)
     out = {"settings": vars(args), "seconds": time.perf_counter() - t0,
-           "tau": sum(len(g.tokens) for g in gens) / max(1, sum(g.rounds for g in gens)),
+           "tau": sum(len(g.tokens) for g in gens) / max(1, row_rounds),
+           # the batch's passes, and the rows that decoded in them over the rows they ran
+           "batch_rounds": rounds[0], "occupancy": row_rounds / max(1, rounds[0] * args.rows),
+           # groups mode (`bench_batch.py --modes groups`): each group of `rows` prompts runs to its
+           # slowest row (a prompt's rounds do not depend on its batch; its first token is the prefill's)
+           "groups_rounds": sum(max(g.rounds for g in gens[i:i + args.rows]) for i in range(0, len(gens), args.rows)),
+           "ideal_rounds": row_rounds / args.rows,
            "join_groups": [m for m, _ in groups], "eager_groups": [m for m, e in groups if e]}
-    print(f"{args.method}, {args.rows} rows, {len(prompts)} prompts: τ {out['tau']:.2f}; "
+    print(f"{args.method}, {args.rows} rows, {len(prompts)} prompts: τ {out['tau']:.2f}; {rounds[0]} batch rounds "
+          f"(groups mode: {out['groups_rounds']}, all rows busy: {out['ideal_rounds']:.1f}), "
+          f"occupancy {out['occupancy']:.2f}; "
           f"{len(groups)} join groups prefilled, {len(out['eager_groups'])} eagerly "
           f"(sizes {out['eager_groups']}); group sizes {out['join_groups']}")
     if args.json:
