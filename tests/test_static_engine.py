@@ -284,6 +284,28 @@ def test_compiled_engine_equals_autoregressive():
         assert method != "ddtree" or sum(max(o.accept_lengths) > 1 for o in outs) == 2
 
 
+def test_a_compiled_draft_step_that_disagrees_with_the_eager_one_fails_loudly():
+    """The first compiled draft is compared with the same step run eagerly (`Engine._checked_draft`):
+    a compiled step that writes a layer's keys into the wrong slots leaves decoding lossless and
+    only acceptance low, so it must fail with a readable error instead (a real one passes the
+    same check in `test_compiled_engine_equals_autoregressive`)."""
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target, num_layers=2)
+    engine = static_engine(target, drafter, cuda_graphs=False, pack=False)
+
+    def miscompiled(*args):  # the eager step, then layer 1's keys overwritten with layer 0's
+        logits = engine._draft_logits(*args)
+        engine.dcache.k[1] = engine.dcache.k[0]
+        return logits
+
+    engine.draft_logits, engine.unchecked_draft = miscompiled, True
+    engine.prefill([torch.randint(3, 120, (30,))], capacity=200)
+    engine.draft(torch.zeros(1, dtype=torch.long))  # the prompt's context, eagerly: the buffers now exist
+    engine.pending, engine.pending_counts = torch.randn(1, 3, engine.pending.shape[2]), [3]
+    with pytest.raises(RuntimeError, match=r"compiled draft step disagrees .*keys [0-9.]+.*--engine static"):
+        engine.draft(torch.zeros(1, dtype=torch.long))
+
+
 def test_compiled_draft_step_is_one_graph():
     """torch.compile(dynamic=True) of the drafter's step (as `make_engine('auto')` on CUDA) traces it
     whole, every layer in one graph: no graph break, no recompilation per layer. SDPA's

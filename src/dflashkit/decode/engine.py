@@ -38,6 +38,14 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chun
 LENGTH_BUCKET = 64  # prompt lengths of small passes are padded to a multiple of this (`Engine.small_pass`)
 
 
+DRAFT_CHECK_TOLERANCE = 0.1  # `Engine._checked_draft`: bf16 rounding gives ~1e-2, a wrong cache slot ~1
+
+
+def _relative_error(a: Tensor, b: Tensor) -> float:
+    b = b.float()
+    return ((a.float() - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
 def small(rows: int, length: int, small_pass: int) -> bool:
     """Whether a pass of `rows` x `length` tokens is a small one: a bucket's length, at most
     `small_pass` tokens in all (a CUDA graph per bucket serves it)."""
@@ -206,6 +214,7 @@ class Engine:
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
         self.long_draft_step = self._draft_step  # the same over a small context longer than a block (`small_pass`)
         self.draft_logits = self._draft_logits  # and may compile this part of it
+        self.unchecked_draft = False  # a compiled draft step, not yet compared with the eager one (`_checked_draft`)
         self.lm_head = target.lm_head  # hidden [..., H] -> logits; the static engine may pack its weight
         # A drafter may run in another dtype than the target (bf16 on a CPU with bf16 matrix units,
         # `make_engine`): its inputs are cast, and its LM head is a copy of the target's in its dtype.
@@ -319,7 +328,7 @@ class Engine:
         args = (feats, bonus, dc.lengths_t, self.cache.lengths_t, n, budget, top_k, scored)
         step = self.draft_step if c <= B else self.long_draft_step if small(b, width, self.small_pass) else None
         if step is not None and dc.k is not None:  # (buffers are allocated outside any graph)
-            out = step(*args)
+            out = self._checked_draft(step, args, n) if self.unchecked_draft else step(*args)
         else:  # eagerly, uncompiled: a long shape that seldom comes again must not compile mid-serving
             with torch.compiler.set_stance("force_eager"):
                 out = self._draft_step(*args)
@@ -327,6 +336,30 @@ class Engine:
             dc.advance_late(self.pending_counts, feats.shape[1])
         else:
             dc.advance(self.pending_counts)
+        return out
+
+    def _checked_draft(self, step: Callable[..., Draft], args: tuple, n: int) -> Draft:
+        """`step(*args)`, the compiled draft step, compared once with the same step run eagerly
+        from the same state: its logits and the drafter's cache over the n slots attended must
+        agree within rounding (relative error at most `DRAFT_CHECK_TOLERANCE`). Decoding stays
+        lossless whatever the drafter computes, so a compiler's error shows only as acceptance:
+        Inductor (torch 2.11-2.13) once wrote every drafter layer's keys into the first layer's
+        slots, and DFlash's τ fell from 2.3 to 1.1 without a word."""
+        dc = self.dcache
+        before = dc.k[:, :, :, :n].clone(), dc.v[:, :, :, :n].clone()
+        eager = self._draft_logits(*args[:5]).float()  # (the uncompiled function)
+        written = dc.k[:, :, :, :n].clone(), dc.v[:, :, :, :n].clone()
+        dc.k[:, :, :, :n], dc.v[:, :, :, :n] = before
+        out = step(*args)
+        errors = {"logits": _relative_error(out.logits, eager), "keys": _relative_error(dc.k[:, :, :, :n], written[0]),
+                  "values": _relative_error(dc.v[:, :, :, :n], written[1])}
+        if max(errors.values()) > DRAFT_CHECK_TOLERANCE:
+            raise RuntimeError(
+                "the compiled draft step disagrees with the same step run eagerly (relative error "
+                + ", ".join(f"{k} {e:.3g}" for k, e in errors.items()) + f"; at most {DRAFT_CHECK_TOLERANCE} is "
+                "rounding): this torch.compile would cut acceptance, not correctness. Fix: run with "
+                "`--engine static` (no compilation), or another torch version.")
+        self.unchecked_draft = False
         return out
 
     @_passes

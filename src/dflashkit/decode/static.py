@@ -705,6 +705,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         # automatic dynamic shapes, bench_decode's staged run compiled it again after its warm-up
         # on an H200, 14.6 s; where a round's draft goes, its norms gained nothing measurable.)
         engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True, options=inductor_options())
+        engine.unchecked_draft = True  # the first compiled draft is compared with an eager one
     if graphs and drafter is not None:
         engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
         # One graph per (rows, context bucket, span): their outputs are read in their round, so
