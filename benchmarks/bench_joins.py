@@ -11,7 +11,7 @@ rounds and its occupancy (rows that decoded in a round over the rows a round run
 engine, finished rows waiting for enough free places to admit cost as much as decoding ones),
 beside the rounds groups mode would run and the rounds with every row always busy. Which groups
 form depends on when rows end, that is on the drafter's acceptance: AR's rows of equal length end
-together, DFlash's do not.
+together, DFlash's do not. What each part of a join costs on a GPU: `profile_joins.py`.
 
     python benchmarks/bench_joins.py --rows 32 --prompts 128 --max-new-tokens 64 --json out.json
 """
@@ -59,9 +59,10 @@ def main() -> None:
     stage = engine._stage
 
     def recorded(ps):
-        new, run = stage(ps)
-        groups.append((len(ps), new not in engine.stagings.values()))
-        return new, run
+        eager = engine.eager_joins
+        new = stage(ps)
+        groups.append((len(ps), engine.eager_joins > eager))
+        return new
 
     engine._stage = recorded
     verify, rounds = engine.verify, [0]

@@ -130,11 +130,10 @@ def test_joins_capture_no_new_graphs(monkeypatch):
 
 def test_joins_replay_staging_graphs_captured_before_serving(monkeypatch):
     """Requests joining a running graph engine are prefilled by staging engines (`Engine.join`:
-    rows padded to a power of two with copies of a prompt, lengths to geometric buckets) whose
-    graphs `warm_joins` captures before serving: the joins then capture nothing, a group too large
-    for one staging pass is split into groups that fit (none runs eagerly on a fresh engine), and
-    every answer equals decoding its prompt alone (so the padding rows and the padding tokens
-    never reach a real row). Rounds are read a round late, as on a GPU: requests join while the
+    groups of a power of two of them, lengths padded to geometric buckets) whose graphs
+    `warm_joins` captures before serving: the joins then capture nothing, a join too large for one
+    staging pass is split into groups that fit (none runs eagerly on a fresh engine), and every
+    answer equals decoding its prompt alone (so the padding tokens never reach a real row). Rounds are read a round late, as on a GPU: requests join while the
     round after a row's end still runs."""
     from dflashkit.decode.loop import Request, decode_stream
 

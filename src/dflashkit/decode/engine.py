@@ -438,24 +438,23 @@ class Engine:
         if self.late:  # rows move on the host's lengths, which miss the unsettled rounds
             raise RuntimeError(f"Engine.{step}: {len(self.late)} round(s) committed on the device are not settled")
 
-    def _stage(self, prompts: Sequence[Tensor]) -> tuple[Engine, list[Tensor]]:
-        """The engine that prefills joining `prompts`, and the prompts it runs: a small join
-        (`join_pass`) goes to the staging engine of its row count, padded to a power of two with
-        copies of the last prompt (its caches and CUDA graphs persist from join to join); any
-        other to a fresh engine, eagerly (graphs are captured over one cache's buffers)."""
+    def _stage(self, prompts: Sequence[Tensor]) -> Engine:
+        """The engine that prefills a join group (`_join_groups`: a power of two of prompts): the
+        staging engine of its row count if one staging pass (`join_pass`) holds it, its caches
+        and CUDA graphs persisting from join to join; else a fresh engine, eagerly (graphs are
+        captured over one cache's buffers)."""
         m = len(prompts)
-        rows = 1 << (m - 1).bit_length()
-        if self.join_pass and small(rows, bucket(max(map(len, prompts)), True), self.join_pass):
-            if rows not in self.stagings:
+        if self.join_pass and small(m, bucket(max(map(len, prompts)), True), self.join_pass):
+            if m not in self.stagings:
                 stage = Engine(self.target, self.drafter, self.run.twin(self.join_pass))
                 stage.lm_head, stage.draft_head = self.lm_head, self.draft_head
                 stage.small_pass, stage.geometric = self.join_pass, True
-                self.stagings[rows] = stage
-            return self.stagings[rows], [*prompts, *[prompts[-1]] * (rows - m)]
+                self.stagings[m] = stage
+            return self.stagings[m]
         self.eager_joins += 1
         fresh = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
         fresh.lm_head, fresh.draft_head = self.lm_head, self.draft_head
-        return fresh, list(prompts)
+        return fresh
 
     def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:
         """Prefill `prompts` on their own caches (`_stage`) -> that engine, the logits at each
@@ -463,12 +462,12 @@ class Engine:
         over these rows only (`take_context`), so that the batch's next draft sees at most a block
         of new features per row (its CUDA graph) instead of a pass over all b rows at prompt
         length."""
-        new, run = self._stage(prompts)
-        logits = new.prefill(run, capacity=0)[:len(prompts)]  # the caches of the batch make the room (`put_rows`)
+        new = self._stage(prompts)
+        logits = new.prefill(list(prompts), capacity=0)  # the caches of the batch make the room (`put_rows`)
         if self.dcache is not None and self.dcache.k is not None:
             new.take_context()
         if self.dcache is None or self.dcache.k is not None:  # no drafter will read them (again)
-            new.pending, new.pending_counts = new.pending[:, :0], [0] * len(run)
+            new.pending, new.pending_counts = new.pending[:, :0], [0] * len(prompts)
         return new, logits
 
     def _join_groups(self, prompts: Sequence[Tensor]) -> list[range]:
@@ -532,19 +531,20 @@ class Engine:
 
     @_passes
     def warm_joins(self, rows: int) -> None:
-        """Prefill, on the staging engines, a join of every shape that joins into a batch of
-        `rows` rows can take (`join_pass`): on a graph engine every capture then happens here,
+        """Prefill, on the staging engines, a join group of every shape that joins into a batch
+        of `rows` rows can take (`join_pass`, `_join_groups`: a power of two of at most `rows`
+        prompts, at each length bucket that fits): on a graph engine every capture then happens here,
         before serving, not in a join that the running rows wait for. The batch is untouched.
         Longest first per row count, so that each staging cache is allocated once."""
         if not self.join_pass:
             return
         dev, m, limit = self.target.device, 1, self.target.max_positions
-        while m < 2 * rows:
+        while m <= rows:
             # prompts one token short of each bucket (a prompt leaves room for its answer)
             lengths = [n - 1 for n in (self.join_pass // m >> k for k in range(16))
                        if n >= LENGTH_BUCKET and bucket(n, True) == n and not (limit and n - 1 >= limit)]
             for n in lengths + lengths[:1]:  # (a staging engine's first pass allocates its caches, eagerly)
-                self._prefill_joining([torch.zeros(n, dtype=torch.long, device=dev)] * min(m, rows))
+                self._prefill_joining([torch.zeros(n, dtype=torch.long, device=dev)] * m)
             m *= 2
 
     def keep_rows(self, rows: Sequence[int]) -> None:
