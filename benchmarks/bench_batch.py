@@ -59,6 +59,16 @@ def parse_method(label: str) -> tuple[str, int | None]:
     return name, int(budget) if budget else None
 
 
+def counting(engine: Engine, counts: dict[str, int], **keys: str) -> None:
+    """Count each call of the engine's methods named in `keys` (method=counter) into `counts`,
+    until `del engine.<method>` brings back the class's method."""
+    for name, key in keys.items():
+        def wrapper(*a: Any, _fn: Any = getattr(engine, name), _key: str = key, **k: Any) -> Any:
+            counts[_key] += 1
+            return _fn(*a, **k)
+        setattr(engine, name, wrapper)
+
+
 def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
             stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation], dict]:
     """-> seconds, the generations, and what the timed pass ran: batch rounds (verification
@@ -71,17 +81,7 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
     for grp in groups:  # an untimed pass over the same work: graph capture and compilation stay out of the numbers
         generate_batch(engine, grp, **kw)
     counts = {"batch_rounds": 0, "joins": 0}
-
-    def counted(name: str, key: str) -> None:
-        fn = getattr(engine, name)
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            counts[key] += 1
-            return fn(*a, **k)
-        setattr(engine, name, wrapper)
-
-    counted("verify", "batch_rounds")
-    counted("join", "joins")
+    counting(engine, counts, verify="batch_rounds", join="joins")
     captured, eager = Graphs.captured, engine.eager_joins
     sync(engine.target.device)
     t0 = time.perf_counter()

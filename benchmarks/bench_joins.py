@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench_batch import counting
 from dflashkit.checkpoint import load_drafter
 from dflashkit.data.prompts import load_prompts
 from dflashkit.decode import static
@@ -65,13 +66,8 @@ def main() -> None:
         return new
 
     engine._stage = recorded
-    verify, rounds = engine.verify, [0]
-
-    def counted(*a, **k):
-        rounds[0] += 1
-        return verify(*a, **k)
-
-    engine.verify = counted
+    counts = {"batch_rounds": 0}
+    counting(engine, counts, verify="batch_rounds")
     t0 = time.perf_counter()
     gens = generate_batch(engine, prompts, rows=args.rows, refill=args.refill, method=args.method,
                           max_new_tokens=args.max_new_tokens, stop_ids=stops)
@@ -79,13 +75,13 @@ def main() -> None:
     out = {"settings": vars(args), "seconds": time.perf_counter() - t0,
            "tau": sum(len(g.tokens) for g in gens) / max(1, row_rounds),
            # the batch's passes, and the rows that decoded in them over the rows they ran
-           "batch_rounds": rounds[0], "occupancy": row_rounds / max(1, rounds[0] * args.rows),
+           **counts, "occupancy": row_rounds / max(1, counts["batch_rounds"] * args.rows),
            # groups mode (`bench_batch.py --modes groups`): each group of `rows` prompts runs to its
            # slowest row (a prompt's rounds do not depend on its batch; its first token is the prefill's)
            "groups_rounds": sum(max(g.rounds for g in gens[i:i + args.rows]) for i in range(0, len(gens), args.rows)),
            "ideal_rounds": row_rounds / args.rows,
            "join_groups": [m for m, _ in groups], "eager_groups": [m for m, e in groups if e]}
-    print(f"{args.method}, {args.rows} rows, {len(prompts)} prompts: τ {out['tau']:.2f}; {rounds[0]} batch rounds "
+    print(f"{args.method}, {args.rows} rows, {len(prompts)} prompts: τ {out['tau']:.2f}; {counts['batch_rounds']} batch rounds "
           f"(groups mode: {out['groups_rounds']}, all rows busy: {out['ideal_rounds']:.1f}), "
           f"occupancy {out['occupancy']:.2f}; "
           f"{len(groups)} join groups prefilled, {len(out['eager_groups'])} eagerly "
