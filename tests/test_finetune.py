@@ -85,3 +85,40 @@ def test_the_starting_drafter_is_a_candidate_for_best(tmp_path, one_thread):
     best = load_drafter(out / "best", target)
     for name, p in start.state_dict().items():
         torch.testing.assert_close(best.state_dict()[name], p, msg=name)
+
+
+def test_a_grown_drafter_drafts_as_the_one_it_grew_from(smollm2):
+    """`grow`'s new layers start as the identity: the bundled drafter with two more layers takes
+    the same rounds, token for token, on a real prompt."""
+    from dflashkit.drafter import grow
+
+    bundled = load_drafter(bundled_drafter_dir(), smollm2, dtype=torch.float32)
+    grown = grow(bundled, 2)
+    assert grown.config.num_hidden_layers == bundled.config.num_hidden_layers + 2
+    ids = smollm2.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    runs = [generate(Engine(smollm2, d), ids, max_new_tokens=24, method="dflash") for d in (bundled, grown)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
+    assert max(runs[0].accept_lengths) > 1  # rounds that the drafter shaped, not τ = 1 throughout
+
+
+def test_grow_layers_trains_the_new_layers(tmp_path, one_thread):
+    """drafter.grow_layers: training starts from the loaded drafter with more layers, whose zero
+    output projections learn; the saved drafter has the grown shape."""
+    target = make_tiny_target()
+    g = torch.Generator().manual_seed(2)
+    samples = [TokenizedSample(f"s-{i}", torch.randint(3, 120, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
+               for i in range(8)]
+    start, _, _, out = finetune(target, samples, tmp_path, "drafter.grow_layers=1", "train.max_steps=3",
+                                "train.batch_size=2", "train.micro_batch_size=2", "train.anchors_per_seq=8",
+                                "train.eval_every=100", "train.eval_samples=2", "train.lr=1e-3")
+    final = load_drafter(out / "final", target)
+    assert final.config.num_hidden_layers == start.config.num_hidden_layers + 1
+    new = final.layers[-1]
+    assert new.self_attn.o_proj.weight.abs().max() > 0 and new.mlp.down_proj.weight.abs().max() > 0
+
+
+def test_grow_layers_needs_a_drafter_to_grow():
+    import pytest
+
+    with pytest.raises(ValueError, match="grow_layers needs init_from"):
+        load_config(None, ["drafter.grow_layers=2"])

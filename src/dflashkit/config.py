@@ -51,6 +51,8 @@ class DrafterSettings(_Section):
     intermediate_size: Int | None = Field(None, ge=1, description="the MLP width; None = the target's (3x hidden "
                                           "for a mixture-of-experts target, which has no dense width)")
     init_from: str | None = Field(None, description="start from this reference-format drafter directory")
+    grow_layers: Int = Field(0, ge=0, description="with init_from: append this many layers that start as "
+                             "the identity, so training begins at the loaded drafter's acceptance with more capacity")
 
     @model_validator(mode="after")
     def _sliding_needs_window(self) -> "DrafterSettings":
@@ -58,6 +60,8 @@ class DrafterSettings(_Section):
             raise ValueError("sliding_window must be set when a layer is 'sliding_attention'")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}")
+        if self.grow_layers and not self.init_from:
+            raise ValueError("grow_layers needs init_from (the drafter to grow)")
         if self.target_layer_ids is not None and len(self.target_layer_ids) != self.num_taps:
             raise ValueError(f"target_layer_ids has {len(self.target_layer_ids)} entries, num_taps is {self.num_taps}")
         return self

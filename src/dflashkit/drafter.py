@@ -522,6 +522,28 @@ def training_hidden(drafter: DFlashDrafter, embed, input_ids: Tensor, features: 
     return drafter(emb, features, masks_mod.block_positions(anchors, cfg.block_size), ctx_pos, lm)
 
 
+def grow(drafter: DFlashDrafter, extra: int) -> DFlashDrafter:
+    """`drafter` with `extra` full-attention layers appended before its final norm. A new layer's
+    output projections (attention's o_proj, the MLP's down_proj) start at zero, so it adds nothing
+    to the residual stream: the grown drafter drafts exactly as the original did, and training
+    starts from its acceptance with more capacity (the other new weights are random, so the zero
+    projections get gradients from the first step)."""
+    if extra < 1:
+        raise ValueError(f"drafter.grow_layers: expected an int >= 1, got {extra!r}")
+    cfg = drafter.config
+    grown = DFlashDrafter(replace(cfg, num_hidden_layers=cfg.num_hidden_layers + extra,
+                                  layer_types=cfg.layer_types + [FULL] * extra))
+    ref = next(drafter.parameters())
+    grown.to(device=ref.device, dtype=ref.dtype)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("layers.") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in grown.layers[cfg.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
 def new_drafter(target: Any, settings: Any) -> DFlashDrafter:
     """A fresh drafter for `target` (a `dflashkit.target.Target`) from `config.DrafterSettings`."""
     from dflashkit.vocab import default_mask_token_id

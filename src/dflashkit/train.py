@@ -46,7 +46,7 @@ from torch import Tensor
 
 from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
                                   load_training_state, remove_stale_temp_files, save_drafter, target_problems)
-from dflashkit.drafter import DFlashDrafter, DrafterConfig
+from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
                                  check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
 
@@ -765,6 +765,8 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         drafter = load_drafter(resume_dir, target)
     elif cfg.drafter.init_from:
         drafter = load_drafter(cfg.drafter.init_from, target)
+        if cfg.drafter.grow_layers:
+            drafter = grow(drafter, cfg.drafter.grow_layers)
     else:
         from dflashkit.drafter import new_drafter
 
