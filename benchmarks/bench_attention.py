@@ -92,6 +92,33 @@ def candidates(g: int, scale: float) -> dict:
     return out
 
 
+SWEEP_KNOBS = {"w": "NUM_WARPS", "s": "NUM_STAGES", "n": "BLOCK_N", "f": "FILL"}
+
+
+def sweep_candidates(g: int, scale: float, spec: str) -> dict:
+    """`fused` under other launch settings: spec is a comma list of settings such as w8s3n64f512
+    (num_warps 8, num_stages 3, BLOCK_N 64, FILL 512; a knob left out keeps the module's value)."""
+    import re
+
+    out = {}
+    for name in spec.split(","):
+        knobs = {SWEEP_KNOBS[k]: int(v) for k, v in re.findall(r"([wsnf])(\d+)", name)}
+        if not knobs or "".join(k + str(v) for k, v in re.findall(r"([wsnf])(\d+)", name)) != name:
+            raise SystemExit(f"bench_attention: --sweep: cannot read {name!r}; expected e.g. w8s3n64f512")
+
+        def run(q, k, v, m, m_gqa, _knobs=knobs):
+            keep = {a: getattr(few_attention, a) for a in _knobs}
+            for a, val in _knobs.items():
+                setattr(few_attention, a, val)
+            try:
+                return few_attention.attend(folded(q, g), k, v, m, scale)
+            finally:
+                for a, val in keep.items():
+                    setattr(few_attention, a, val)
+        out["fused@" + name] = run
+    return out
+
+
 def time_graph(fn, args, iters: int) -> float:
     """Microseconds per call of fn(*args), replayed from a CUDA graph."""
     side = torch.cuda.Stream()
@@ -125,6 +152,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=100, help="calls per timed graph replay")
     ap.add_argument("--only", help="comma list of the candidates to time (default: all; flex takes tens of ms a "
                     "call at 65 queries, math hundreds of us over long caches)")
+    ap.add_argument("--sweep", help="also time `fused` under these launch settings, e.g. w4s2,w8s3n32,f512 "
+                    "(w num_warps, s num_stages, n BLOCK_N keys per step, f FILL programs wanted)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -132,6 +161,8 @@ def main() -> int:
     H, KV, D = args.heads, args.kv_heads, args.head_dim
     g, scale = H // KV, D ** -0.5
     fns = candidates(g, scale)
+    if args.sweep:
+        fns.update(sweep_candidates(g, scale, args.sweep))
     reference = fns["math"]
     if args.only:
         only = args.only.split(",")
@@ -139,7 +170,7 @@ def main() -> int:
         if unknown:
             raise SystemExit(f"bench_attention: --only: unknown candidate(s) {', '.join(unknown)}; "
                              f"expected some of {', '.join(fns)}")
-        fns = {k: fn for k, fn in fns.items() if k in only}
+        fns = {k: fn for k, fn in fns.items() if k in only or k.startswith("fused@")}
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention: needs a CUDA device (it times CUDA graph replays)")
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,

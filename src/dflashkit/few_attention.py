@@ -36,6 +36,8 @@ FILL = 256  # programs wanted: spans are added until the (row, KV head) pairs ti
 DIRECT_KEYS = 512  # up to this many slots one span per program (8 inner steps): no combine launch
 BLOCK_N = 64  # keys per inner step
 BLOCK_G = 64  # folded queries per program (an AR step's few too: see `attend`)
+NUM_WARPS = 4  # the spans kernel's launch (`benchmarks/bench_attention.py --sweep` times others)
+NUM_STAGES: int | None = None  # None: Triton's default software pipelining
 
 
 # Keys from which the fused kernel replaces the written-out attention in a one-row pass (None:
@@ -166,7 +168,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, tokens: 
         q, k, v, mask, acc, stats, out, G, N, T, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(2), mask.stride(3), *so,
-        H=heads, D=D, BG=BLOCK_G, BN=BLOCK_N, SPAN=span, DIRECT=spans == 1)
+        H=heads, D=D, BG=BLOCK_G, BN=BLOCK_N, SPAN=span, DIRECT=spans == 1, num_warps=NUM_WARPS,
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
     if spans > 1:
         _combine[(tiles, b * heads)](acc, stats, out, G, spans, T, *so,
                                      H=heads, D=D, BG=BLOCK_G, SP=triton.next_power_of_2(spans))
