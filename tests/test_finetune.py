@@ -43,6 +43,13 @@ def finetune(target, samples: list[TokenizedSample], tmp_path: Path, *overrides:
     return start, cfg, cache, train(cfg, target=target, samples=cache)
 
 
+def random_samples(seed: int, n: int = 8) -> list[TokenizedSample]:
+    """n random 40-token sequences, the last 32 supervised: nothing to learn, for plumbing."""
+    g = torch.Generator().manual_seed(seed)
+    return [TokenizedSample(f"s-{i}", torch.randint(3, 120, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
+            for i in range(n)]
+
+
 def test_finetune_workflow_tiny(tmp_path, one_thread):
     """Two suites of the target's own greedy answers; training starts from a saved drafter; the
     held-out split holds both suites, best.json has τ_sim per suite, and the adapted drafter beats
@@ -75,9 +82,7 @@ def test_the_starting_drafter_is_a_candidate_for_best(tmp_path, one_thread):
     """Fine-tuning that never improves held-out τ_sim leaves best/ = the starting drafter (step 0),
     never a worse one."""
     target = make_tiny_target()
-    g = torch.Generator().manual_seed(1)
-    samples = [TokenizedSample(f"s-{i}", torch.randint(3, 120, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
-               for i in range(8)]
+    samples = random_samples(seed=1)
     start, _, _, out = finetune(target, samples, tmp_path, "train.max_steps=2", "train.batch_size=2",
                                 "train.micro_batch_size=2", "train.anchors_per_seq=8", "train.eval_every=1",
                                 "train.eval_samples=2", "train.lr=1e-12")
@@ -105,9 +110,7 @@ def test_grow_layers_trains_the_new_layers(tmp_path, one_thread):
     """drafter.grow_layers: training starts from the loaded drafter with more layers, whose zero
     output projections learn; the saved drafter has the grown shape."""
     target = make_tiny_target()
-    g = torch.Generator().manual_seed(2)
-    samples = [TokenizedSample(f"s-{i}", torch.randint(3, 120, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
-               for i in range(8)]
+    samples = random_samples(seed=2)
     start, _, _, out = finetune(target, samples, tmp_path, "drafter.grow_layers=1", "train.max_steps=3",
                                 "train.batch_size=2", "train.micro_batch_size=2", "train.anchors_per_seq=8",
                                 "train.eval_every=100", "train.eval_samples=2", "train.lr=1e-3")
