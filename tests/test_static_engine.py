@@ -401,6 +401,25 @@ def test_warm_up_captures_what_a_stream_needs(monkeypatch):
     assert captures == warm, captures
 
 
+def test_warm_up_makes_room_for_a_request_without_a_token_limit(monkeypatch):
+    """A request without `max_tokens` reserves a long answer's room (`loop.RESERVE`, within the
+    model's positions): after `warm_up` it must not grow the caches, which would drop every graph
+    captured over their old buffers and capture them again while the request waits."""
+    from dflashkit.decode.loop import DecodingGenerator
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    gen = DecodingGenerator(engine, rows=2)
+    gen.warm_up([5, 6, 7])
+    buffers = engine.cache.k.data_ptr(), engine.dcache.k.data_ptr()
+    prompt = [9, 10, 11, 12]
+    params = dict(max_new_tokens=engine.target.max_positions - len(prompt), temperature=0.0, top_p=1.0, seed=None,
+                  stop_ids={engine.target.model.config.eos_token_id})
+    for step in gen.generate_batch([(prompt, params)]):
+        break  # the prefill has reserved the request's room
+    assert (engine.cache.k.data_ptr(), engine.dcache.k.data_ptr()) == buffers
+
+
 def test_packed_weights_decode_as_the_target():
     """On the CPU (fp32) the static engine multiplies by oneDNN's packed copies of the weights,
     the LM head's too: greedy AR and DFlash, alone and ragged, equal the unpacked engine's and

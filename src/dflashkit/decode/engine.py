@@ -274,7 +274,7 @@ class Engine:
         ids = ids.to(dev, torch.long)
         ends = torch.tensor(lens, device=dev) - 1  # each row's last prompt token
         self.cache.start(b, dev)
-        self.cache.reserve(max(capacity, T))
+        self.reserve(max(capacity, T))
         last, feats = None, []
         for off in range(0, T, PREFILL_CHUNK):
             q = min(PREFILL_CHUNK, T - off)
@@ -292,8 +292,15 @@ class Engine:
         self.pending, self.pending_counts, self.pending_read = torch.cat(feats, 1), lens, False
         if self.dcache is not None:
             self.dcache.start(b, dev)
-            self.dcache.reserve(max(capacity, T) + self.drafter.config.block_size)
         return self.lm_head(last)
+
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` positions per row in the caches (the drafter's: a block more). They
+        only grow; a cache that grows moves its buffers, and a graph engine then captures every
+        round's graphs again (`static.Graphs`)."""
+        self.cache.reserve(capacity)
+        if self.dcache is not None:
+            self.dcache.reserve(capacity + self.drafter.config.block_size)
 
     def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
         h = draft_step(self.drafter, self._draft_embed, self.dcache, feats.to(self.draft_dtype), bonus, ctx_start,
@@ -510,10 +517,9 @@ class Engine:
         """`join`'s second half: the rows of `new` (a joining group's prefill) become `rows` of
         this batch."""
         self.cache.put_rows(new.cache, rows)
-        self.cache.reserve(capacity)
         if self.dcache is not None:
             self.dcache.put_rows(new.dcache, rows)
-            self.dcache.reserve(capacity + self.drafter.config.block_size)
+        self.reserve(capacity)
         if self.pending_read:  # the batch's rows have no features left for the drafter
             self.pending_counts, self.pending_read = [0] * len(self.pending_counts), False
         w, extra = max(self.pending.shape[1], new.pending.shape[1]), self.batch - len(self.pending_counts)

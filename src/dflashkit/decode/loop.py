@@ -521,6 +521,13 @@ class DecodingGenerator:
             return
         B = self.engine.drafter.config.block_size if self.engine.drafter is not None else 1
         rows, n = self.rows or 1, 3 * B + 1
+        # The room of a request without a token limit (a prompt of up to a span of slots and
+        # `RESERVE` answer tokens, as `_start` reserves it), so that its caches need not grow and
+        # drop the graphs captured here.
+        room = self.engine.slot_bucket + RESERVE
+        if self.engine.target.max_positions:
+            room = min(room, self.engine.target.max_positions)
+        self.engine.reserve(room + (self.budget or 0) + 2 * B)
         # Once long enough to cross into the second span of slots (a compiled step that
         # specialised on the first span recompiles here, not under a request), then as given:
         # last, so that its graphs are captured over the caches as the long prompt left them.

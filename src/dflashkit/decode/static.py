@@ -56,8 +56,9 @@ SMALL_PASS_TOKENS = 512
 # A join's prefill (`Engine.join`: a few requests joining a running batch) of at most this many
 # rows x tokens runs on a staging engine from CUDA graphs: eagerly it is ~1,200 launches for a
 # SmolLM2-sized target, which every running row waits for. Larger than the first prefill's, as joins
-# come in groups (a quarter of the rows, by default); rows and lengths are padded to powers of two,
-# so that `Engine.warm_joins` captures every shape before serving.
+# come in groups (a quarter of the rows, by default); a join is prefilled in groups of a power of
+# two rows, their lengths padded to powers of two, so that `Engine.warm_joins` captures every shape
+# before serving.
 JOIN_PASS_TOKENS = 4096
 
 
