@@ -274,6 +274,8 @@ class Engine:
         ids = ids.to(dev, torch.long)
         ends = torch.tensor(lens, device=dev) - 1  # each row's last prompt token
         self.cache.start(b, dev)
+        if self.dcache is not None:
+            self.dcache.start(b, dev)
         self.reserve(max(capacity, T))
         last, feats = None, []
         for off in range(0, T, PREFILL_CHUNK):
@@ -290,8 +292,6 @@ class Engine:
             last = here if last is None else torch.where(((ends >= off) & (ends < off + q))[:, None], here, last)
             self.cache.advance(counts)
         self.pending, self.pending_counts, self.pending_read = torch.cat(feats, 1), lens, False
-        if self.dcache is not None:
-            self.dcache.start(b, dev)
         return self.lm_head(last)
 
     def reserve(self, capacity: int) -> None:
