@@ -76,7 +76,7 @@ def counting(engine: Engine, counts: dict[str, int], **keys: str) -> None:
 def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
             stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation], dict]:
     """-> seconds, the generations, and what the timed pass ran: batch rounds (verification
-    passes), joins, and CUDA graphs captured (none, unless a shape the untimed pass never met)."""
+    passes), joins, and CUDA graphs captured (none, unless a shape the untimed passes never met)."""
     method, budget = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)

@@ -197,6 +197,13 @@ def _top(logits: Tensor, k: int) -> tuple[list, list]:
     return ids.tolist(), values.tolist()
 
 
+def _room(prompt: int, limit: int, budget: int | None, B: int) -> int:
+    """Cache positions a request reserves: its prompt and its answer up to a few thousand tokens
+    (`RESERVE`), and a round's draft. The caches grow beyond that only if the answer does (a
+    request without a token limit must not reserve the model's whole context)."""
+    return prompt + min(limit, RESERVE) + (budget or 0) + 2 * B
+
+
 def _start(engine: Engine, requests: Sequence[Request], first: int, method: str, budget: int | None,
            prefill: Callable[[list[Tensor], int], Tensor], record_top: int) -> tuple[list[_Row], Tensor, Step]:
     """Prefill `requests` (numbered from `first`) through `prefill(prompts, capacity)` -> their
@@ -209,9 +216,7 @@ def _start(engine: Engine, requests: Sequence[Request], first: int, method: str,
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
     gens = [new_generator(r.sampling) for r in requests]
     t0 = time.perf_counter()
-    # Room for the answer up to a few thousand tokens; the caches grow beyond that only if the
-    # answer does (a request without a token limit must not reserve the model's whole context).
-    room = max(len(r.prompt) + min(m, RESERVE) for r, m in zip(requests, limits)) + (budget or 0) + 2 * B
+    room = max(_room(len(r.prompt), m, budget, B) for r, m in zip(requests, limits))
     logits = prefill([r.prompt for r in requests], room)
     bonus = row_tokens(logits[:, None], [r.sampling for r in requests], gens)[:, 0]  # [m], stays on the device
     tokens = bonus.tolist()  # waits for the prefill: time to first token is honest on CUDA too
@@ -521,13 +526,10 @@ class DecodingGenerator:
             return
         B = self.engine.drafter.config.block_size if self.engine.drafter is not None else 1
         rows, n = self.rows or 1, 3 * B + 1
-        # The room of a request without a token limit (a prompt of up to a span of slots and
-        # `RESERVE` answer tokens, as `_start` reserves it), so that its caches need not grow and
-        # drop the graphs captured here.
-        room = self.engine.slot_bucket + RESERVE
-        if self.engine.target.max_positions:
-            room = min(room, self.engine.target.max_positions)
-        self.engine.reserve(room + (self.budget or 0) + 2 * B)
+        # The room of a request without a token limit whose prompt fits a span of slots, so that
+        # it need not grow the caches and drop the graphs captured here.
+        span, positions = self.engine.slot_bucket, self.engine.target.max_positions
+        self.engine.reserve(_room(span, positions - span if positions else RESERVE, self.budget, B))
         # Once long enough to cross into the second span of slots (a compiled step that
         # specialised on the first span recompiles here, not under a request), then as given:
         # last, so that its graphs are captured over the caches as the long prompt left them.
