@@ -41,9 +41,11 @@ def test_fused_weights_are_views_not_copies():
 
 def test_weights_stored_by_columns_are_views_and_decode_the_same(monkeypatch):
     """Where the output, MLP and LM-head weights are stored [in, out] (on CUDA; forced here): the
-    modules, the drafter's too, read transposed views of one buffer each (no copy left, values
-    untouched, a second engine reuses them), and greedy AR, DFlash and DDTree, alone and ragged,
-    equal autoregressive decoding before the change, and the target's own `generate` is unchanged."""
+    target's modules read transposed views of one buffer each (no copy left, values untouched, a
+    second engine reuses them), the engine's copy of the drafter is laid out so too, with its k/v
+    and gate/up fused (the caller's drafter is left as it was), and greedy AR, DFlash and DDTree,
+    alone and ragged, equal autoregressive decoding before the change, and the target's own
+    `generate` is unchanged."""
     from dflashkit.decode import static
     from dflashkit.decode.loop import generate_batch
 
@@ -57,13 +59,18 @@ def test_weights_stored_by_columns_are_views_and_decode_the_same(monkeypatch):
     monkeypatch.setattr(static, "COLUMN_WEIGHTS", True)
     eng = static_engine(target, drafter, fuse=True, pack=False)
     layer, head = target.layers[0], target.model.get_output_embeddings()
-    mlp, dmlp = layer.mlp, drafter.layers[0].mlp
-    gate_up = eng.run.tw[0].gate_up
+    mlp, dlayer = layer.mlp, eng.drafter.layers[0]
+    gate_up, dgate_up = eng.run.tw[0].gate_up, dlayer.mlp.gate_up
     assert gate_up.stride() == (1, gate_up.shape[0]) and mlp.up_proj.weight.data_ptr() == gate_up[64 * 2:].data_ptr()
-    for w in (layer.self_attn.o_proj.weight, mlp.down_proj.weight, head.weight, drafter.layers[0].self_attn.o_proj.weight,
-              dmlp.gate_proj.weight, dmlp.down_proj.weight):
+    assert dgate_up.stride() == (1, dgate_up.shape[0]) and dlayer.mlp.up_proj.weight.data_ptr() == dgate_up[dgate_up.shape[0] // 2:].data_ptr()
+    for w in (layer.self_attn.o_proj.weight, mlp.down_proj.weight, head.weight, dlayer.self_attn.o_proj.weight,
+              dlayer.mlp.down_proj.weight):
         assert w.stride() == (1, w.shape[0]) and w.t().is_contiguous()
+    kv = dlayer.self_attn.kv_weight  # [k; v] by rows, as the target's q/k/v
+    assert kv.is_contiguous() and dlayer.self_attn.v_proj.weight.data_ptr() == kv[kv.shape[0] // 2:].data_ptr()
     assert layer.self_attn.q_proj.weight.is_contiguous()  # q/k/v stay by rows
+    assert eng.drafter is not drafter and all(p.is_contiguous() for p in drafter.parameters())
+    assert drafter.layers[0].self_attn.kv_weight is None and drafter.layers[0].mlp.gate_up is None
     after = dict([*target.model.named_parameters(), *drafter.named_parameters()])
     assert all(torch.equal(before[n], after[n]) for n in before)
     again = static_engine(target, drafter, fuse=True, pack=False)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from dflashkit import few_attention
 from dflashkit import masks as masks_mod
+from dflashkit.decode.packed import linear
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -193,14 +194,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @dataclass
 class CacheSlots:
     """Where one inference block's keys/values go: a `decode.cache.KVCache` of the drafter's
-    layers, the new context's slots [b, c], the block's slots [b, B] (written after the context,
-    so they overwrite its padding), the `n` slots every query looks at, and, inside a layer, the
+    layers, the slots [b, c + B] of the new context's rows then the block's (no slot twice: one
+    store writes both), the RoPE tables at those slots' positions (made once per pass, in
+    `DFlashDrafter.forward`), the `n` slots every query looks at, and, inside a layer, the
     layer's index in the cache."""
 
     kv: Any
-    ctx_slots: Tensor
-    blk_slots: Tensor
+    slots: Tensor
     n: int
+    rope: tuple[Tensor, Tensor] | None = None
     layer: int = 0
 
 
@@ -257,25 +259,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # A decoding engine's copy may hold k_proj's and v_proj's weights as one [k; v] tensor
+        # (`decode.static.fuse_drafter`): decoding then projects them in one GEMM (training never does).
+        self.kv_weight: Tensor | None = None
 
-    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.kv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        if fused and self.kv_weight is not None:
+            k, v = linear(x, self.kv_weight).split(self.kv * self.d, dim=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = self.k_norm(k.view(b, t, self.kv, self.d)).transpose(1, 2)
+        return apply_rope(k, cos, sin), v.view(b, t, self.kv, self.d).transpose(1, 2)
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_c: tuple[Tensor, Tensor],
                 mask: Any, cache: CacheSlots | None) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
         q = apply_rope(q, *rope_q)
-        k_blk, v_blk = self._kv(x, *rope_q)
-        k_ctx, v_ctx = self._kv(ctx, *rope_c)
         if cache is None:  # training: the whole context, then every block
+            k_blk, v_blk = self._kv(x, *rope_q)
+            k_ctx, v_ctx = self._kv(ctx, *rope_c)
             k, v = torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2)
-        else:
-            cache.kv.store(cache.layer, k_ctx, v_ctx, cache.ctx_slots)  # (then the block: it overwrites the context's padding)
-            cache.kv.store(cache.layer, k_blk, v_blk, cache.blk_slots)
+        else:  # decoding: the new context and the block as one stream: one projection, one store a layer
+            k, v = self._kv(torch.cat([ctx, x], dim=1), *cache.rope, fused=True)
+            cache.kv.store(cache.layer, k, v, cache.slots)
             k, v = cache.kv.view(cache.layer, cache.n)
         out = attend(q, k, v, mask, self.kv != self.h)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
@@ -287,8 +295,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: Tensor | None = None  # [gate; up] as one tensor, for decoding (as `Attention.kv_weight`)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused: bool = False) -> Tensor:
+        if fused and self.gate_up is not None:
+            gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -303,7 +315,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_c, mask, cache) -> Tensor:
         # The context is already normalised by `hidden_norm`; only the block stream is pre-normed.
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_c, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), fused=cache is not None)
 
 
 class DFlashDrafter(nn.Module):
@@ -343,23 +355,29 @@ class DFlashDrafter(nn.Module):
         cache: CacheSlots | None = None,
     ) -> Tensor:  # [b, q, H] final hidden states; the target's LM head turns them into logits
         cfg = self.config
-        ctx, rope_c = self.context(ctx_features, ctx_pos)
+        ctx = self.context(ctx_features)
         x = block_emb.to(ctx.dtype)
-        rope_q = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-        if cache is not None:  # the buffers exist before any layer takes its own view of them
-            self.allocate(cache.kv, x)
-        else:
+        if cache is None:
+            rope_c, rope_q = self.rope(ctx_pos, x.dtype), self.rope(block_pos, x.dtype)
             lengths_dynamic((x, ctx, *rope_q, *rope_c), layer_masks.values())
+        else:  # one table for the context's and the block's slots, stored as one stream (`Attention.forward`)
+            c = ctx.shape[1]
+            cos, sin = self.rope(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
+            rope_c, rope_q = (cos[:, :, :c], sin[:, :, :c]), (cos[:, :, c:], sin[:, :, c:])  # [b, 1, t, d]
+            cache = replace(cache, rope=(cos, sin))
+            self.allocate(cache.kv, x)  # the buffers exist before any layer takes its own view of them
         for i, layer in enumerate(self.layers):
             mine = None if cache is None else replace(cache, layer=i)
             x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine)
         return self.norm(x)
 
-    def context(self, ctx_features: Tensor, ctx_pos: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Raw tapped features [b, c, n_taps * H] at positions [b, c] -> the context stream every
-        layer's keys and values are made from [b, c, H], and its RoPE tables."""
-        ctx = self.hidden_norm(self.fc(ctx_features))
-        return ctx, rope_cos_sin(ctx_pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+    def context(self, ctx_features: Tensor) -> Tensor:
+        """Raw tapped features [b, c, n_taps * H] -> the context stream every layer's keys and
+        values are made from [b, c, H]."""
+        return self.hidden_norm(self.fc(ctx_features))
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
     def allocate(self, kv: Any, like: Tensor) -> None:
         """The inference cache's buffers, for rows like `like` [b, ...], before any layer views them."""
@@ -462,7 +480,7 @@ def draft_block(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor,
         raise ValueError(f"draft_block: the cache holds {cache.batch} rows, the features {b}")
     B = drafter.config.block_size
     n = max(length + k for length, k in zip(cache.lengths, counts)) + B
-    cache.reserve(max(n, max(cache.lengths) + c))
+    cache.reserve(max(cache.lengths) + c + B)  # (padding rows go past the block: `draft_step`)
     start = cache.lengths_t + torch.tensor(counts, device=dev)
     h = draft_step(drafter, embed, cache, new_features, bonus, cache.lengths_t, start, n)
     cache.advance(counts)
@@ -473,25 +491,31 @@ def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, 
                start: Tensor, n: int) -> Tensor:
     """The tensor part of `draft_block` (no host synchronisation, and every tensor it reads
     passed in, so CUDA graphs can capture it): context rows at ctx_start [b] + j, the block at
-    start [b], attention over n slots of `cache` under the rule of `masks.visible`."""
+    start [b], attention over n slots of `cache` under the rule of `masks.visible`. Rows of a row's
+    context past its own (padding: rows share the width c) are written past its block, where no
+    query looks and a later context overwrites them: the cache needs room for ctx_start + c + B
+    slots. (One store writes context and block, and a scatter that wrote a slot twice would keep
+    either write.)"""
     cfg = drafter.config
     c, dev = new_features.shape[1], new_features.device
     ctx_slots = ctx_start[:, None] + torch.arange(c, device=dev)
+    ctx_slots = torch.where(ctx_slots < start[:, None], ctx_slots, ctx_slots + cfg.block_size)
     blk_slots = start[:, None] + torch.arange(cfg.block_size, device=dev)
     emb = embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
     lm = masks_mod.layer_masks(masks_mod.inference_layout(start, cfg.block_size, n), cfg.layer_types, cfg.sliding_window)
     lm = {t: additive(m, new_features.dtype) for t, m in lm.items()}
-    return drafter(emb, new_features, blk_slots, ctx_slots, lm, CacheSlots(cache, ctx_slots, blk_slots, n))
+    return drafter(emb, new_features, blk_slots, ctx_slots, lm, CacheSlots(cache, torch.cat([ctx_slots, blk_slots], 1), n))
 
 
 def write_context(drafter: DFlashDrafter, cache: Any, new_features: Tensor, slots: Tensor) -> None:
     """The context half of `draft_step` alone: new context rows' keys and values [b, c] into
     `cache` at `slots` [b, c] (their positions), with no block drafted after them. A prompt that
     joins a running batch needs only this; the batch's next draft makes its block."""
-    ctx, rope_c = drafter.context(new_features, slots)
+    ctx = drafter.context(new_features)
+    rope_c = drafter.rope(slots, ctx.dtype)
     drafter.allocate(cache, ctx)
     for i, layer in enumerate(drafter.layers):
-        cache.store(i, *layer.self_attn._kv(ctx, *rope_c), slots)
+        cache.store(i, *layer.self_attn._kv(ctx, *rope_c, fused=True), slots)
 
 
 def additive(mask: Any, dtype: torch.dtype) -> Any:

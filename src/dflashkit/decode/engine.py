@@ -326,8 +326,8 @@ class Engine:
         feats, self.pending_read = self.pending, True
         b, c = feats.shape[:2]
         self.caught_up = c > B
-        # Padding rows land past each row's context (the block overwrites the first ones; later
-        # contexts the rest) and are never seen: one shape every round, few for long contexts.
+        # Padding rows land past each row's block (`draft_step`), where no query looks and later
+        # contexts overwrite them: one shape every round, few for long contexts.
         width = B if c <= B else padded(b, c, self.small_pass, self.geometric)
         feats = widened(feats, width)
         dc.reserve(max(self.cache.bound, dc.bound + width) + B)
