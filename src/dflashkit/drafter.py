@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from dflashkit import few_attention
 from dflashkit import masks as masks_mod
-from dflashkit.decode.packed import linear
+from dflashkit.decode.packed import fused_linear
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -266,7 +266,7 @@ class Attention(nn.Module):
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape
         if fused and self.kv_weight is not None:
-            k, v = linear(x, self.kv_weight).split(self.kv * self.d, dim=-1)
+            k, v = fused_linear(x, self.kv_weight, self.k_proj).split(self.kv * self.d, dim=-1)
         else:
             k, v = self.k_proj(x), self.v_proj(x)
         k = self.k_norm(k.view(b, t, self.kv, self.d)).transpose(1, 2)
@@ -299,7 +299,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, fused: bool = False) -> Tensor:
         if fused and self.gate_up is not None:
-            gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+            gate, up = fused_linear(x, self.gate_up, self.gate_proj).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

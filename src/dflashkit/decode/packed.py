@@ -68,6 +68,12 @@ class PackedLinear(nn.Linear):
         return linear(x, pack_weight(self.weight, self), self.bias)
 
 
+def fused_linear(x: Tensor, w: Tensor, like: nn.Module) -> Tensor:
+    """`linear` through w, a weight that fuses several modules' (`static.fuse_drafter`), one of
+    them `like`: through w's packed copy where `like` computes through packed weights."""
+    return linear(x, pack_weight(w, like) if isinstance(like, PackedLinear) else w)
+
+
 def drafter_copy(drafter: nn.Module, dtype: torch.dtype | None, packed: bool) -> nn.Module:
     """A copy of `drafter` for an engine, in `dtype` (None: its own), its projections
     `PackedLinear`s if `packed` (the caller's drafter stays as it is: packed weights have no

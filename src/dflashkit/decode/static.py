@@ -689,7 +689,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     draft_packed = drafter is not None and runner.packed and packs(draft_dtype or next(drafter.parameters()).dtype)
     if drafter is not None:  # the engine's own copy, laid out for decoding (the caller's stays as it was)
         drafter = drafter_copy(drafter, draft_dtype, draft_packed)
-        fuse_drafter(drafter, runner.fuse, column_weights(target.device), draft_packed)
+        fuse_drafter(drafter, runner.fuse, column_weights(target.device))
     engine = Engine(target, drafter, runner)
     if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
         engine.lm_head = lm_head(target, target.dtype, packed=True)
@@ -714,18 +714,17 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     return engine
 
 
-def fuse_drafter(drafter: DFlashDrafter, fuse: bool, columns: bool, packed: bool) -> None:
+def fuse_drafter(drafter: DFlashDrafter, fuse: bool, columns: bool) -> None:
     """Lays out an engine's copy of the drafter as the target's layers: fuse: each layer's [k; v]
-    and [gate; up] weights as one tensor each (`Attention.kv_weight`, `MLP.gate_up`), so that a
-    draft runs 5 GEMMs a layer instead of 9 (k and v of the new context and of the block are one
-    stream; its queries stay apart: the context has none); columns, packed: as the target's."""
+    and [gate; up] weights as one tensor each (`Attention.kv_weight`, `MLP.gate_up`; packed like
+    the modules they fuse), so that a draft runs 5 GEMMs a layer instead of 9 (k and v of the new
+    context and of the block are one stream; its queries stay apart: the context has none);
+    columns: the output and MLP weights stored [in, out], as the target's."""
     for layer in drafter.layers:
         a, m = layer.self_attn, layer.mlp
         if fuse and a.k_proj.bias is None:
             a.kv_weight = _fuse([a.k_proj, a.v_proj])
         m.gate_up = _out_mlp_layout(a.o_proj, m.gate_proj, m.up_proj, m.down_proj, fuse, columns)
-        if packed:
-            a.kv_weight, m.gate_up = pack_weight(a.kv_weight, a), pack_weight(m.gate_up, m)
 
 
 def graphed_commit(cache: KVCache) -> Callable[[Tensor, Tensor, bool, bool], None]:
