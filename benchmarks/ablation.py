@@ -210,7 +210,7 @@ def run_variant(name: str, a: argparse.Namespace, target, cache: FeatureCache, t
     drafter = load_drafter(run_dir / "final", target, device=target.device, dtype=target.dtype)
     t1 = time.perf_counter()
     rep = evaluate_offline({name: drafter}, target, HeldOut(cache, held, tap_ids), methods=("dflash", "ddtree"),
-                           budgets=(16,), top_k=4, limit=a.eval_limit)
+                           budgets=(16,), limit=a.eval_limit)
     m = rep["drafters"][name]["methods"]
     result = {
         "variant": name, "what": what, "overrides": overrides, "patches": list(patches), "taps": tap_ids,

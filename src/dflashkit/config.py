@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
 
+from dflashkit.decode.tree import TOP_K
+
 
 def _not_bool(value: Any) -> Any:
     # bool is an int subclass: without this, `max_steps: true` would silently become 1.
@@ -136,7 +138,7 @@ class EvalConfig(_Section):
     temperature: Float = Field(0.0, ge=0.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64])
-    ddtree_top_k: Int = Field(4, ge=1)
+    ddtree_top_k: Int = Field(TOP_K, ge=1, description="DDTree's candidates per slot")
     seed: Seed = 0
 
 

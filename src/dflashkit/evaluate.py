@@ -52,7 +52,7 @@ from tqdm import tqdm
 from dflashkit.decode.engine import padded
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
-from dflashkit.decode.tree import best_first, chains, verification, walk
+from dflashkit.decode.tree import TOP_K, best_first, chains, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.objective import replay_rounds
 from dflashkit.target import Target
@@ -148,7 +148,7 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
 
 def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: Iterable[FeatureItem], *,
                      methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
-                     top_k: int = 4, limit: int | None = None) -> dict[str, Any]:
+                     top_k: int = TOP_K, limit: int | None = None) -> dict[str, Any]:
     labels = method_labels(methods, budgets)
     taus = {n: {lab: ([], []) for lab, _, _ in labels} for n in drafters}
     samples, tokens = 0, 0
@@ -384,7 +384,7 @@ def warm_up(engines: Sequence[Any], labels: Sequence[tuple[str, str, int | None]
 
 def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
-                    top_k: int = 4, max_new_tokens: int = 128, sampling: Sampling | None = None,
+                    top_k: int = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
                     stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
                     cost_aware: bool = False) -> dict[str, Any]:
     """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind.

@@ -11,6 +11,7 @@ from torch import Tensor
 from dflashkit.decode.loop import make_engine
 from dflashkit.decode.generation import METHODS, Sampling
 from dflashkit.decode.loop import generate
+from dflashkit.decode.tree import TOP_K
 
 
 def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (needed unless --method ar)")
     p.add_argument("--method", choices=METHODS, default=None, help="default: dflash with a drafter, ar without")
     p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default 32)")
-    p.add_argument("--top-k", type=int, default=4, help="DDTree candidates per slot (default 4)")
+    p.add_argument("--top-k", type=int, default=TOP_K, help=f"DDTree candidates per slot (default {TOP_K})")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

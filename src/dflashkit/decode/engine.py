@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
 from dflashkit.decode.packed import lm_head
-from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
+from dflashkit.decode.tree import TOP_K, Trees, Walk, causal, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step, write_context
 from dflashkit.target import Target
 
@@ -316,7 +316,7 @@ class Engine:
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
 
     @_passes
-    def draft(self, bonus: Tensor, budget: int | None = None, top_k: int = 4, scored: bool = False) -> Draft:
+    def draft(self, bonus: Tensor, budget: int | None = None, top_k: int = TOP_K, scored: bool = False) -> Draft:
         """bonus [b] at positions `lengths` -> the drafter's logits [b, B-1, V] for the next B-1
         positions and each row's tree from them (`tree.draft_trees`: budget None, DFlash's chain;
         else DDTree's best-first tree), built in the same step (one CUDA graph)."""

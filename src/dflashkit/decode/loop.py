@@ -42,7 +42,7 @@ from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import (METHODS, Generation, GenerationChunk, Sampling, new_generator, target_tokens,
                                          usage_stats)
 from dflashkit.decode.static import static_engine, supported
-from dflashkit.decode.tree import Trees, chains, prefix, verification, walk
+from dflashkit.decode.tree import TOP_K, Trees, chains, prefix, verification, walk
 
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
@@ -238,7 +238,7 @@ def decode_stream(
     max_new_tokens: int | Sequence[int],
     method: str = "dflash",
     budget: int | None = None,
-    top_k: int = 4,
+    top_k: int = TOP_K,
     sampling: Sampling | Sequence[Sampling] | None = None,
     stop_ids: set[int] | frozenset[int] | Sequence[set[int] | frozenset[int]] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
@@ -511,7 +511,7 @@ class DecodingGenerator:
     largest batch (`decode_stream`'s `rows`: one batch size, one set of CUDA graphs). cost_aware:
     `decode_stream`'s (rounds draft only while drafting pays at the batch's size)."""
 
-    def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int = 4,
+    def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int = TOP_K,
                  rows: int | None = None, cost_aware: bool = False) -> None:
         check_request(method, 1, engine.drafter, budget)
         self.engine, self.method, self.budget, self.top_k, self.rows = engine, method, budget, top_k, rows

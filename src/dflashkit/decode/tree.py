@@ -37,6 +37,7 @@ def chains(tokens: Tensor, scores: Tensor | None = None) -> Trees:
     return Trees(tokens, k, k + 1, tokens.new_zeros(b, m, dtype=torch.float) if scores is None else scores)
 
 
+TOP_K = 4  # DDTree's candidates per slot: the default of decoding, `generate`, `eval` and `serve`
 TIE = 1e-9  # per depth: of two prefixes with equal scores the shallower comes first
 
 
