@@ -436,7 +436,8 @@ def check_joins(tiny_target: Target, make_engine, fixed: bool) -> None:
             return order[i] == 2 and calls[0] >= 3
 
         out, seen = {}, {i: [] for i in range(5)}
-        for step in decode_stream(eng, [prompts[0]], max_new_tokens=limits[0], method=method, budget=budget,
+        # (4 candidates per slot: the rows' ends, and so the batch sizes asserted below, follow the trees)
+        for step in decode_stream(eng, [prompts[0]], max_new_tokens=limits[0], method=method, budget=budget, top_k=4,
                                   admit=admit, cancelled=cancelled):
             for i, new, g in step:
                 out[order[i]] = g
@@ -445,7 +446,7 @@ def check_joins(tiny_target: Target, make_engine, fixed: bool) -> None:
         if fixed:
             assert eng.batch == 3 and max(sizes) == 3, method  # rows 1 and 2 were taken again
         for i in (0, 1, 3, 4):
-            alone = generate(make(), prompts[i], max_new_tokens=limits[i], method=method, budget=budget,
+            alone = generate(make(), prompts[i], max_new_tokens=limits[i], method=method, budget=budget, top_k=4,
                              sampling=samplings[i])
             assert out[i].tokens == seen[i] == alone.tokens and out[i].finish_reason == "length", (method, i)
             assert out[i].accept_lengths == alone.accept_lengths, (method, i)  # the drafter saw the same context

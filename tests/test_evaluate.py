@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from itertools import product
 
 import pytest
 import torch
@@ -75,20 +76,21 @@ def _train(drafter, target, data, steps: int = 100):
 
 def test_offline_tau_equals_online_tiny_trained():
     """A drafter with real acceptance (τ well above 1, every value from 1 to B seen): the rounds
-    replayed from cached features are exactly the online greedy rounds, DFlash and DDTree."""
+    replayed from cached features are exactly the online greedy rounds, DFlash and DDTree (with 3
+    candidates per slot, and with the default: as many as the budget)."""
     target = make_tiny_target()
     data = _greedy_data(target, 4)
     drafter = _train(make_tiny_drafter(target), target, data)
     items = [FeatureSample(sid, seq, mask, target.forward(seq[None], drafter.config.target_layer_ids).features[0])
              for sid, _, seq, mask in data]
     seen = set()
-    for (sid, ids, seq, mask), item in zip(data, items):
-        acc, spans = offline_accepted(drafter, target, item, LABELS, top_k=3)
+    for ((sid, ids, seq, mask), item), top_k in product(zip(data, items), (3, None)):
+        acc, spans = offline_accepted(drafter, target, item, LABELS, top_k=top_k)
         assert spans == [(12, 52)]
         for label, method, budget in LABELS:
-            online = generate(Engine(target, drafter), ids, max_new_tokens=40, method=method, budget=budget, top_k=3)
+            online = generate(Engine(target, drafter), ids, max_new_tokens=40, method=method, budget=budget, top_k=top_k)
             assert online.tokens == seq[12:].tolist()
-            assert replay_rounds(acc[label], spans)[0] == online.accept_lengths, (sid, label)
+            assert replay_rounds(acc[label], spans)[0] == online.accept_lengths, (sid, label, top_k)
             seen.update(online.accept_lengths)
     assert {1, 8} <= seen and len(seen) >= 4
     rep_off = evaluate_offline({"d": drafter}, target, items, methods=["dflash", "ddtree"], budgets=[4, 12], top_k=3)

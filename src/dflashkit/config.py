@@ -138,7 +138,7 @@ class EvalConfig(_Section):
     temperature: Float = Field(0.0, ge=0.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64])
-    ddtree_top_k: Int = Field(TOP_K, ge=1, description="DDTree's candidates per slot")
+    ddtree_top_k: Int | None = Field(TOP_K, ge=1, description="DDTree's candidates per slot (None: the node budget)")
     seed: Seed = 0
 
 

@@ -52,7 +52,7 @@ from tqdm import tqdm
 from dflashkit.decode.engine import padded
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
-from dflashkit.decode.tree import TOP_K, best_first, chains, verification, walk
+from dflashkit.decode.tree import TOP_K, best_first, candidates, chains, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.objective import replay_rounds
 from dflashkit.target import Target
@@ -111,7 +111,7 @@ def answer_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, labels: list[tuple[str, str, int | None]],
-                     top_k: int, chunk: int = 32) -> tuple[dict[str, dict[int, int]], list[tuple[int, int]]]:
+                     top_k: int | None, chunk: int = 32) -> tuple[dict[str, dict[int, int]], list[tuple[int, int]]]:
     """Accepted draft tokens at every answer position p (bonus = token p, context < p), per method.
     Returns ({label: {p: accepted}}, spans). Positions past the answer's end never match."""
     cfg = drafter.config
@@ -135,11 +135,15 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
         truth = torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
         # the same ops as online decoding (`tree.draft_trees`), the top-k taken once for every budget
-        top = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1) if any(m == "ddtree" for _, m, _ in labels) \
-            else None
+        ks = [min(candidates(budget, top_k), logits.shape[-1]) for _, m, budget in labels if m == "ddtree"]
+        top = torch.log_softmax(logits.float(), -1).topk(max(ks), dim=-1) if ks else None
         for label, method, budget in labels:
             chain = method == "dflash"
-            trees = chains(logits.argmax(-1)) if chain else best_first(*top, budget)
+            if not chain:
+                k = min(candidates(budget, top_k), logits.shape[-1])
+                trees = best_first(top.values[..., :k], top.indices[..., :k], budget)
+            else:
+                trees = chains(logits.argmax(-1))
             _, depths, anc = verification(ids[at], trees, chain)
             walked = walk(trees, anc, truth.gather(1, depths), chain)
             out[label].update(zip(part, walked.accepted.tolist()))
@@ -148,7 +152,7 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
 
 def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: Iterable[FeatureItem], *,
                      methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
-                     top_k: int = TOP_K, limit: int | None = None) -> dict[str, Any]:
+                     top_k: int | None = TOP_K, limit: int | None = None) -> dict[str, Any]:
     labels = method_labels(methods, budgets)
     taus = {n: {lab: ([], []) for lab, _, _ in labels} for n in drafters}
     samples, tokens = 0, 0
@@ -384,7 +388,7 @@ def warm_up(engines: Sequence[Any], labels: Sequence[tuple[str, str, int | None]
 
 def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
-                    top_k: int = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
+                    top_k: int | None = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
                     stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
                     cost_aware: bool = False) -> dict[str, Any]:
     """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind.
@@ -833,7 +837,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="report directory (default runs/eval)")
     p.add_argument("--methods", default="dflash,ddtree", help="comma list of dflash, ddtree (default both)")
     p.add_argument("--budgets", default=None, help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
-    p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k)")
+    p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k: the node budget)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite or of --prompts (online), or samples (offline)")
     p.add_argument("--heldout", action="store_true", help="offline mode: only the held-out split that `train` "
                    "measures tau_sim on (train.eval_samples, train.seed): a before/after report for fine-tuning")
@@ -895,7 +899,7 @@ def run(args: argparse.Namespace) -> int:
     if any(b < 1 for b in budgets):
         raise ValueError(f"--budgets: node budgets must be >= 1, got {budgets}")
     top_k = args.top_k if args.top_k is not None else ec.ddtree_top_k
-    if top_k < 1:
+    if top_k is not None and top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {top_k}")
     method_labels(methods, budgets)  # validates --methods
     device = resolve_device(cfg.target.device)

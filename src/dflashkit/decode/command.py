@@ -11,7 +11,7 @@ from torch import Tensor
 from dflashkit.decode.loop import make_engine
 from dflashkit.decode.generation import METHODS, Sampling
 from dflashkit.decode.loop import generate
-from dflashkit.decode.tree import TOP_K
+from dflashkit.decode.tree import TOP_K, candidates
 
 
 def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (needed unless --method ar)")
     p.add_argument("--method", choices=METHODS, default=None, help="default: dflash with a drafter, ar without")
     p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default 32)")
-    p.add_argument("--top-k", type=int, default=TOP_K, help=f"DDTree candidates per slot (default {TOP_K})")
+    p.add_argument("--top-k", type=int, default=TOP_K, help="DDTree candidates per slot (default: the node budget)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
     s = res.stats()
     tps = len(res.tokens) / max(res.prefill_seconds + res.decode_seconds, 1e-9)
-    label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{args.top_k})"
+    label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{candidates(args.budget, args.top_k)})"
     print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
           f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}"
           + (f", mean draft tokens verified {s['mean_draft_size']}" if "mean_draft_size" in s else ""))

@@ -311,12 +311,12 @@ class Engine:
         return self.target.embed(ids).to(self.draft_dtype)  # (the same tensor where the dtypes agree)
 
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
-                    budget: int | None, top_k: int, scored: bool) -> Draft:
+                    budget: int | None, top_k: int | None, scored: bool) -> Draft:
         logits = self.draft_logits(feats, bonus, ctx_start, start, n)
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
 
     @_passes
-    def draft(self, bonus: Tensor, budget: int | None = None, top_k: int = TOP_K, scored: bool = False) -> Draft:
+    def draft(self, bonus: Tensor, budget: int | None = None, top_k: int | None = TOP_K, scored: bool = False) -> Draft:
         """bonus [b] at positions `lengths` -> the drafter's logits [b, B-1, V] for the next B-1
         positions and each row's tree from them (`tree.draft_trees`: budget None, DFlash's chain;
         else DDTree's best-first tree), built in the same step (one CUDA graph)."""

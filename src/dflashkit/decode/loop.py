@@ -238,7 +238,7 @@ def decode_stream(
     max_new_tokens: int | Sequence[int],
     method: str = "dflash",
     budget: int | None = None,
-    top_k: int = TOP_K,
+    top_k: int | None = TOP_K,
     sampling: Sampling | Sequence[Sampling] | None = None,
     stop_ids: set[int] | frozenset[int] | Sequence[set[int] | frozenset[int]] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
@@ -265,7 +265,7 @@ def decode_stream(
     size it passed through (seconds of stalls for every running row).
 
     method: 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens), 'ddtree' (a tree of
-    `budget` nodes from the top-`top_k` tokens of each slot). Unless profiling or recording, a
+    `budget` nodes from the top-`top_k` tokens of each slot; None: `budget` of them). Unless profiling or recording, a
     round whose tokens have not reached the host yet is read a round late, the next one already
     running on the device (except a cost-aware round that read its draft's scores, and, with
     `admit`, on an engine without fixed rows): a row's end is then seen a round after it, and
@@ -511,7 +511,7 @@ class DecodingGenerator:
     largest batch (`decode_stream`'s `rows`: one batch size, one set of CUDA graphs). cost_aware:
     `decode_stream`'s (rounds draft only while drafting pays at the batch's size)."""
 
-    def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int = TOP_K,
+    def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int | None = TOP_K,
                  rows: int | None = None, cost_aware: bool = False) -> None:
         check_request(method, 1, engine.drafter, budget)
         self.engine, self.method, self.budget, self.top_k, self.rows = engine, method, budget, top_k, rows

@@ -37,7 +37,12 @@ def chains(tokens: Tensor, scores: Tensor | None = None) -> Trees:
     return Trees(tokens, k, k + 1, tokens.new_zeros(b, m, dtype=torch.float) if scores is None else scores)
 
 
-TOP_K = 4  # DDTree's candidates per slot: the default of decoding, `generate`, `eval` and `serve`
+# DDTree's candidates per slot, the default of decoding, `generate`, `eval` and `serve`. None: as
+# many as the tree's node budget, so that `best_first` picks the budget's best prefixes among all
+# of them (fewer leave out likely siblings where the drafter is unsure: on 12 chat prompts,
+# SmolLM2's bundled drafter, DDTree-64's τ rose from 2.83 at 4 candidates to 3.18 at 32;
+# docs/benchmarks.md).
+TOP_K: int | None = None
 TIE = 1e-9  # per depth: of two prefixes with equal scores the shallower comes first
 
 
@@ -109,12 +114,17 @@ def verification(bonus: Tensor, trees: Trees, chain: bool = False) -> tuple[Tens
     return torch.cat([bonus[:, None], trees.tokens], 1), torch.cat([zero, trees.depths], 1), anc
 
 
-def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int,
+def candidates(budget: int, top_k: int | None) -> int:
+    """DDTree's candidates per slot for a tree of `budget` nodes (`TOP_K`)."""
+    return budget if top_k is None else top_k
+
+
+def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int | None,
                 scored: bool = False) -> tuple[Trees, Tensor, Tensor, Tensor]:
     """The drafter's logits [b, B-1, V] and bonus tokens [b] -> each row's tree and its
     `verification` tensors. budget None: DFlash's chain of argmax tokens (scored: with the
     scores that cost-aware drafting reads; a pass over the logits, else skipped); else DDTree's
-    best-first tree of `budget` nodes from the top-`top_k` tokens of each slot."""
+    best-first tree of `budget` nodes from the top-`top_k` tokens of each slot (None: `budget`)."""
     if budget is None:
         if scored:
             lp, tok = torch.log_softmax(dlogits.float(), -1).max(-1)
@@ -122,7 +132,8 @@ def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int,
         else:
             trees = chains(dlogits.argmax(-1))
     else:
-        trees = best_first(*torch.log_softmax(dlogits.float(), -1).topk(top_k, dim=-1), budget)
+        k = min(candidates(budget, top_k), dlogits.shape[-1])
+        trees = best_first(*torch.log_softmax(dlogits.float(), -1).topk(k, dim=-1), budget)
     return (trees, *verification(bonus, trees, chain=budget is None))
 
 
