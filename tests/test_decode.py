@@ -470,6 +470,8 @@ def test_request_errors(tiny_target):
         generate(Engine(tiny_target, drafter), ids.repeat(2, 1), max_new_tokens=4)
     with pytest.raises(ValueError, match="node budget"):
         generate(Engine(tiny_target, drafter), ids, max_new_tokens=4, method="ddtree")
+    with pytest.raises(ValueError, match=r"top_k \(DDTree's candidates per slot\).*got 0"):  # (it drafted nothing)
+        generate(Engine(tiny_target, drafter), ids, max_new_tokens=4, method="ddtree", budget=8, top_k=0)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate_batch(Engine(tiny_target, drafter), [ids, torch.tensor([], dtype=torch.long)], max_new_tokens=4)
     limit = tiny_target.max_positions

@@ -80,7 +80,8 @@ class _Stages:
             self.t = now
 
 
-def check_request(method: str, max_new_tokens: int, drafter: Any, budget: int | None = None) -> None:
+def check_request(method: str, max_new_tokens: int, drafter: Any, budget: int | None = None,
+                  top_k: int | None = None) -> None:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -89,6 +90,9 @@ def check_request(method: str, max_new_tokens: int, drafter: Any, budget: int | 
         raise ValueError(f"method {method!r} needs a drafter; use method 'ar' without one")
     if method == "ddtree" and (budget is None or budget < 1):
         raise ValueError(f"ddtree needs a node budget >= 1, got {budget}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k (DDTree's candidates per slot): expected None (the node budget) or an int >= 1, "
+                         f"got {top_k!r}")
 
 
 def row_tokens(logits: Tensor, samplings: Sequence[Sampling], gens: Sequence[random.Random | None]) -> Tensor:
@@ -276,6 +280,7 @@ def decode_stream(
     the sizes chosen (0: no draft) go to `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
     that chose it (`Generation.top`; one more host transfer per round)."""
+    check_request(method, 1, engine.drafter, budget, top_k)
     requests = _requests(prompts, max_new_tokens, sampling, stop_ids)
     n = len(requests)
     B = engine.drafter.config.block_size if engine.drafter is not None else 1
@@ -513,7 +518,7 @@ class DecodingGenerator:
 
     def __init__(self, engine: Engine, *, method: str = "dflash", budget: int | None = None, top_k: int | None = TOP_K,
                  rows: int | None = None, cost_aware: bool = False) -> None:
-        check_request(method, 1, engine.drafter, budget)
+        check_request(method, 1, engine.drafter, budget, top_k)
         self.engine, self.method, self.budget, self.top_k, self.rows = engine, method, budget, top_k, rows
         self.cost_aware = cost_aware
         self.label = None if method == "ar" else method if method != "ddtree" else f"ddtree-{budget}"
