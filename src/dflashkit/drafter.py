@@ -272,7 +272,7 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(b, t, self.kv, self.d)).transpose(1, 2)
         return apply_rope(k, cos, sin), v.view(b, t, self.kv, self.d).transpose(1, 2)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_c: tuple[Tensor, Tensor],
+    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_c: tuple[Tensor, Tensor] | None,
                 mask: Any, cache: CacheSlots | None) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
@@ -361,9 +361,9 @@ class DFlashDrafter(nn.Module):
             rope_c, rope_q = self.rope(ctx_pos, x.dtype), self.rope(block_pos, x.dtype)
             lengths_dynamic((x, ctx, *rope_q, *rope_c), layer_masks.values())
         else:  # one table for the context's and the block's slots, stored as one stream (`Attention.forward`)
+            cos, sin = self.rope(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)  # [b, 1, c + q, d]
             c = ctx.shape[1]
-            cos, sin = self.rope(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
-            rope_c, rope_q = (cos[:, :, :c], sin[:, :, :c]), (cos[:, :, c:], sin[:, :, c:])  # [b, 1, t, d]
+            rope_c, rope_q = None, (cos[:, :, c:], sin[:, :, c:])  # (the context's rows: `cache.rope`)
             cache = replace(cache, rope=(cos, sin))
             self.allocate(cache.kv, x)  # the buffers exist before any layer takes its own view of them
         for i, layer in enumerate(self.layers):

@@ -135,15 +135,12 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
         truth = torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
         # the same ops as online decoding (`tree.draft_trees`), the top-k taken once for every budget
-        ks = [min(candidates(budget, top_k), logits.shape[-1]) for _, m, budget in labels if m == "ddtree"]
-        top = torch.log_softmax(logits.float(), -1).topk(max(ks), dim=-1) if ks else None
+        ks = {budget: candidates(budget, top_k, logits.shape[-1]) for _, m, budget in labels if m == "ddtree"}
+        top = torch.log_softmax(logits.float(), -1).topk(max(ks.values()), dim=-1) if ks else None
         for label, method, budget in labels:
             chain = method == "dflash"
-            if not chain:
-                k = min(candidates(budget, top_k), logits.shape[-1])
-                trees = best_first(top.values[..., :k], top.indices[..., :k], budget)
-            else:
-                trees = chains(logits.argmax(-1))
+            trees = chains(logits.argmax(-1)) if chain else \
+                best_first(top.values[..., :ks[budget]], top.indices[..., :ks[budget]], budget)
             _, depths, anc = verification(ids[at], trees, chain)
             walked = walk(trees, anc, truth.gather(1, depths), chain)
             out[label].update(zip(part, walked.accepted.tolist()))

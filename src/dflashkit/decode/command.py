@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
     s = res.stats()
     tps = len(res.tokens) / max(res.prefill_seconds + res.decode_seconds, 1e-9)
-    label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{candidates(args.budget, args.top_k)})"
+    k = candidates(args.budget, args.top_k, target.vocab_size)
+    label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{k})"
     print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
           f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}"
           + (f", mean draft tokens verified {s['mean_draft_size']}" if "mean_draft_size" in s else ""))

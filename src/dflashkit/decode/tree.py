@@ -114,9 +114,9 @@ def verification(bonus: Tensor, trees: Trees, chain: bool = False) -> tuple[Tens
     return torch.cat([bonus[:, None], trees.tokens], 1), torch.cat([zero, trees.depths], 1), anc
 
 
-def candidates(budget: int, top_k: int | None) -> int:
-    """DDTree's candidates per slot for a tree of `budget` nodes (`TOP_K`)."""
-    return budget if top_k is None else top_k
+def candidates(budget: int, top_k: int | None, vocab: int) -> int:
+    """DDTree's candidates per slot for a tree of `budget` nodes (`TOP_K`), within the vocabulary."""
+    return min(budget if top_k is None else top_k, vocab)
 
 
 def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int | None,
@@ -132,7 +132,7 @@ def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int |
         else:
             trees = chains(dlogits.argmax(-1))
     else:
-        k = min(candidates(budget, top_k), dlogits.shape[-1])
+        k = candidates(budget, top_k, dlogits.shape[-1])
         trees = best_first(*torch.log_softmax(dlogits.float(), -1).topk(k, dim=-1), budget)
     return (trees, *verification(bonus, trees, chain=budget is None))
 
