@@ -291,6 +291,27 @@ def test_padded_passes_leave_the_drafter_its_context(tiny_target):
     torch.testing.assert_close(padded.draft(bonus).logits, plain.draft(bonus).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_a_draft_writes_no_slot_twice(tiny_target, engine):
+    """Rows share one context width, so a row's context may hold padding rows; they go past the
+    row's block, and each layer's one store of a draft (context and block) writes no slot twice
+    (a scatter that did would keep either write). Ragged prompts, then ragged commits."""
+    drafter = make_tiny_drafter(tiny_target)
+    eng = ENGINES[engine](tiny_target, drafter)
+    prompts = [p[0] for p in ragged_prompts(1)]
+    eng.prefill(prompts, capacity=100)
+    stores = []
+    real = eng.dcache.store
+    eng.dcache.store = lambda layer, k, v, slots: (stores.append(slots.clone()), real(layer, k, v, slots))[1]
+    bonus = torch.tensor([5, 9, 3, 7])
+    eng.draft(bonus)
+    eng.verify(*verification(bonus, chains(torch.full((4, 3), 11))))
+    eng.commit([range(3), range(1), range(2), range(3)])
+    eng.draft(bonus)
+    assert len(stores) == 2 * drafter.config.num_hidden_layers
+    assert all(len(set(row.tolist())) == len(row) for slots in stores for row in slots)
+
+
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("engine", ["hf", "static", "padded"])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
