@@ -50,7 +50,7 @@ from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode import heads as heads_mod
 from dflashkit.decode import static as static_mod
 from dflashkit.decode.static import runner_features, static_engine
-from dflashkit.decode.tree import Walk, walk
+from dflashkit.decode.tree import TOP_K, Walk, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
 
@@ -421,15 +421,16 @@ def device_gaps(prof, rounds: int, top: int) -> dict:
     return out
 
 
-def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int) -> dict:
-    generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)  # capture graphs / compile
-    prof = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget, profile=True)
+def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int, top_k: int | None) -> dict:
+    kw = dict(max_new_tokens=new_tokens, method=method, budget=budget, top_k=top_k)
+    generate(engine, ids, **kw)  # capture graphs / compile
+    prof = generate(engine, ids, **kw, profile=True)
     cuda = ids.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    plain = generate(engine, ids, max_new_tokens=new_tokens, method=method, budget=budget)
+    plain = generate(engine, ids, **kw)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
     r = prof.rounds
     stages = {k: 1e3 * v / r for k, v in prof.stage_seconds.items()}
@@ -492,6 +493,7 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on GPU")
     ap.add_argument("--json", metavar="PATH", help="write all numbers here (rewritten after each measurement)")
     ap.add_argument("--budgets", default="8,16,32,64")
+    ap.add_argument("--top-k", type=int, default=TOP_K, help="DDTree's candidates per slot (default: the budget)")
     ap.add_argument("--engines", default=None, help="comma list among hf,static,graphs,compiled,fused (default: all that apply)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per measured generation (rounds, at τ=1)")
@@ -559,7 +561,7 @@ def main() -> int:
             try:
                 eng = make(target, drafter if method != "ar" else None)
                 n = args.hf_new_tokens if name in ("hf", "static") else args.new_tokens
-                r = measure(eng, ids, method, budget, n)
+                r = measure(eng, ids, method, budget, n, args.top_k)
                 if hybrid:
                     r.update(state_memory(eng))
             except Exception as e:  # report and go on: one engine failing must not lose the others' numbers
@@ -573,7 +575,7 @@ def main() -> int:
                 print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
             if args.kernels and "error" not in r:
-                r["kernels"] = kernel_table(lambda: generate(eng, ids, max_new_tokens=n, method=method, budget=budget),
+                r["kernels"] = kernel_table(lambda: generate(eng, ids, max_new_tokens=n, method=method, budget=budget, top_k=args.top_k),
                                             device, args.kernels)
             if name != "hf" and budget == budgets[-1] and "error" not in r and not hybrid:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)

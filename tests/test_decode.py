@@ -104,9 +104,9 @@ def expected_taus(prompt_len: int, max_new: int, B: int, depth_cap: int) -> list
 # ---- the tree ---------------------------------------------------------------------------------
 
 
-def test_best_first_trees_hold_the_best_prefixes():
+@pytest.mark.parametrize("slots,K,budget", [(4, 3, 17), (3, 9, 7)])  # fewer candidates than nodes; more
+def test_best_first_trees_hold_the_best_prefixes(slots, K, budget):
     torch.manual_seed(0)
-    slots, K, budget = 4, 3, 17
     lp, ids = torch.log_softmax(torch.randn(3, slots, 50), -1).topk(K, dim=-1)
     lp[2, 1, 0] = 0.0  # a slot the drafter is sure of: a child scores as its parent (a tie)
     trees = best_first(lp, ids, budget)

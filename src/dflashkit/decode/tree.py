@@ -8,6 +8,7 @@ case of no node.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,18 @@ TOP_K: int | None = None
 TIE = 1e-9  # per depth: of two prefixes with equal scores the shallower comes first
 
 
+@functools.lru_cache(maxsize=None)
+def _pairs(width: int, K: int, budget: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The (prefix w, rank k) pairs of a beam of `width` prefixes and K ranks, both sorted best
+    first, that can be among the best `budget` extensions: (w+1)(k+1) <= budget, since the
+    (w+1)(k+1)-1 pairs (w' <= w, k' <= k) score at least as much. About budget·ln(budget) pairs
+    instead of width·K (DDTree-64 with 64 candidates per slot: 280, not 4,096). Cached per
+    shape: made in a CUDA graph's warm-up, never during its capture."""
+    pairs = [(w, k) for w in range(width) for k in range(min(K, budget // (w + 1)))]
+    w, k = torch.tensor(pairs, dtype=torch.long).T
+    return w.to(device), k.to(device)
+
+
 def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
     """The best `budget` prefixes of per-slot top-K choices (logprobs/token_ids [b, S, K], each
     slot sorted descending), a prefix scored by the sum of its slots' log-probabilities, as trees
@@ -53,21 +66,23 @@ def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
 
     A beam search of width `budget`: the best prefixes of depth d extend the best of depth d-1
     (a prefix scores at most its parent, so a parent outside the beam would leave `budget`
-    better children in it). The nodes are then the best `budget` over all depths; ties go to the
-    shallower prefix (`TIE`), so a node never outranks its parent and the set is closed under
-    parents. Fixed shapes and no host read: a CUDA graph captures it (`static_engine`)."""
+    better children in it), over the pairs that can win (`_pairs`). The nodes are then the best
+    `budget` over all depths; ties go to the shallower prefix (`TIE`), so a node never outranks
+    its parent and the set is closed under parents. Fixed shapes and no host read: a CUDA graph
+    captures it (`static_engine`)."""
     b, S, K = logprobs.shape
     dev = logprobs.device
-    beam = logprobs.new_zeros(b, 1)  # the scores of the beam's prefixes: first, the root alone
+    beam = logprobs.new_zeros(b, 1)  # the scores of the beam's prefixes (best first): first, the root alone
     base = 0  # the index of the beam's first prefix, numbering the root 0 and then every candidate kept
     scores, parents, tokens, depths = [], [], [], []
     for s in range(S):
-        cand = (beam[:, :, None] + logprobs[:, s, None, :]).flatten(1)  # [b, W * K]: prefix w, then rank k
         width = beam.shape[1]
+        w, k = _pairs(width, K, budget, dev)
+        cand = beam[:, w] + logprobs[:, s, k]  # [b, pairs]
         beam, idx = cand.topk(min(budget, cand.shape[1]), dim=1)
         scores.append(beam)
-        parents.append(base + torch.div(idx, K, rounding_mode="floor"))
-        tokens.append(token_ids[:, s].gather(1, idx % K))
+        parents.append(base + w[idx])
+        tokens.append(token_ids[:, s].gather(1, k[idx]))
         depths.append(torch.full_like(idx, s + 1))
         base += width  # the new beam is numbered after the one it extends
     scores, parents, tokens, depths = (torch.cat(x, 1) for x in (scores, parents, tokens, depths))
