@@ -43,7 +43,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ from tqdm import tqdm
 from dflashkit.decode.engine import padded
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
-from dflashkit.decode.tree import TOP_K, best_first, candidates, chains, verification, walk
+from dflashkit.decode.tree import TOP_K, Trees, best_first, candidates, chains, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.objective import replay_rounds
 from dflashkit.target import Target
@@ -109,31 +109,40 @@ def answer_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
     return spans
 
 
+def draft_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
+    """The answer spans that a decoding round can draft in (two tokens or more)."""
+    return [(a, e) for a, e in answer_spans(loss_mask) if e - a >= 2]
+
+
 @torch.no_grad()
-def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, labels: list[tuple[str, str, int | None]],
-                     top_k: int | None, chunk: int = 32) -> tuple[dict[str, dict[int, int]], list[tuple[int, int]]]:
-    """Accepted draft tokens at every answer position p (bonus = token p, context < p), per method.
-    Returns ({label: {p: accepted}}, spans). Positions past the answer's end never match."""
-    cfg = drafter.config
-    B, dev = cfg.block_size, head.device
+def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem,
+                   chunk: int = 32) -> Iterator[tuple[list[int], Tensor, Tensor, Tensor]]:
+    """The drafter's block at every answer position p of `item` (bonus = token p, context < p),
+    `chunk` positions at a time: (positions, logits [n, B-1, V], bonus tokens [n], truth [n, B]:
+    the data's token after depth d of a tree rooted at p, -1 past the answer, where nothing matches)."""
+    B, dev = drafter.config.block_size, head.device
     ids = item.input_ids.long().to(dev)
-    spans = [(a, e) for a, e in answer_spans(item.loss_mask) if e - a >= 2]
+    spans = draft_spans(item.loss_mask)
     anchors = [p for a, e in spans for p in range(a, e - 1)]
-    out: dict[str, dict[int, int]] = {label: {} for label, _, _ in labels}
-    if not anchors:
-        return out, spans
     end_of = {p: e for a, e in spans for p in range(a, e - 1)}
     feats = item.features.to(device=dev, dtype=head.dtype)[None]
     for i in range(0, len(anchors), chunk):
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
         logits = head.lm_head(h).view(len(part), B, -1)[:, 1:]
-        # truth[j, d]: the data's token after depth d of anchor j's tree (its root, depth 0, is the
-        # bonus p); -1 past the answer, where nothing matches
         at = torch.tensor(part, device=dev)
         pos = at[:, None] + 1 + torch.arange(B, device=dev)
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
-        truth = torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
+        yield part, logits, ids[at], torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
+
+
+@torch.no_grad()
+def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, labels: list[tuple[str, str, int | None]],
+                     top_k: int | None, chunk: int = 32) -> tuple[dict[str, dict[int, int]], list[tuple[int, int]]]:
+    """Accepted draft tokens at every answer position p (bonus = token p, context < p), per method.
+    Returns ({label: {p: accepted}}, spans). Positions past the answer's end never match."""
+    out: dict[str, dict[int, int]] = {label: {} for label, _, _ in labels}
+    for part, logits, roots, truth in drafted_blocks(drafter, head, item, chunk):
         # the same ops as online decoding (`tree.draft_trees`), the top-k taken once for every budget
         ks = {budget: candidates(budget, top_k, logits.shape[-1]) for _, m, budget in labels if m == "ddtree"}
         top = torch.log_softmax(logits.float(), -1).topk(max(ks.values()), dim=-1) if ks else None
@@ -141,10 +150,14 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
             chain = method == "dflash"
             trees = chains(logits.argmax(-1)) if chain else \
                 best_first(top.values[..., :ks[budget]], top.indices[..., :ks[budget]], budget)
-            _, depths, anc = verification(ids[at], trees, chain)
-            walked = walk(trees, anc, truth.gather(1, depths), chain)
-            out[label].update(zip(part, walked.accepted.tolist()))
-    return out, spans
+            out[label].update(zip(part, accepted(trees, roots, truth, chain).tolist()))
+    return out, draft_spans(item.loss_mask)
+
+
+def accepted(trees: Trees, roots: Tensor, truth: Tensor, chain: bool = False) -> Tensor:
+    """[n] draft tokens that the data accepts of trees under roots (`drafted_blocks`' truth [n, B])."""
+    _, depths, anc = verification(roots, trees, chain)
+    return walk(trees, anc, truth.gather(1, depths), chain).accepted
 
 
 def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: Iterable[FeatureItem], *,
