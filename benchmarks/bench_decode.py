@@ -478,7 +478,8 @@ def apply_baseline_options(args: argparse.Namespace) -> dict:
     heads_mod.BLOCK_T = 1 if args.token_heads else heads_mod.BLOCK_T
     few_attention.DIRECT_KEYS = 0 if args.short_spans else few_attention.DIRECT_KEYS
     switches = {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in SWITCHES)}
-    return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS}
+    return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS,
+            "top_k": args.top_k}
 
 
 def main() -> int:
