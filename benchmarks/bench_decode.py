@@ -478,8 +478,7 @@ def apply_baseline_options(args: argparse.Namespace) -> dict:
     heads_mod.BLOCK_T = 1 if args.token_heads else heads_mod.BLOCK_T
     few_attention.DIRECT_KEYS = 0 if args.short_spans else few_attention.DIRECT_KEYS
     switches = {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in SWITCHES)}
-    return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS,
-            "top_k": args.top_k}
+    return {**switches, "few_attention": args.few_attention, "few_attention_from_keys": few_attention.FROM_KEYS}
 
 
 def main() -> int:
@@ -508,7 +507,7 @@ def main() -> int:
     add_baseline_options(ap)
     args = ap.parse_args()
     t_start = time.perf_counter()
-    baselines = apply_baseline_options(args)
+    baselines = {**apply_baseline_options(args), "top_k": args.top_k}
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = dict(SHAPES[args.target][1 if args.tiny else 0])
