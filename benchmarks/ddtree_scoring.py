@@ -19,7 +19,7 @@ import torch
 from dflashkit.checkpoint import atomic_write_json, load_drafter
 from dflashkit.data.features import online_features
 from dflashkit.data.regenerate import probe_sets
-from dflashkit.decode.tree import best_first
+from dflashkit.decode.tree import best_first, candidates
 from dflashkit.demo import bundled_drafter_dir
 from dflashkit.evaluate import accepted, draft_spans, drafted_blocks
 from dflashkit.objective import replay_rounds
@@ -52,16 +52,18 @@ def main() -> None:
             item = SimpleNamespace(input_ids=ids, loss_mask=torch.tensor(sample.loss_mask),
                                    features=online_features(target, ids[None], drafter.config.target_layer_ids)[0])
             acc: dict[tuple[float, float], dict[int, int]] = {v: {} for v in variants}
-            for part, logits, roots, truth in drafted_blocks(drafter, target, item):
+            spans = draft_spans(item.loss_mask)
+            for part, logits, roots, truth in drafted_blocks(drafter, target, item, spans):
                 z = logits.float()
-                top, idx = z.topk(args.budget, dim=-1)  # the same candidates for every T (monotone)
+                # the same candidates for every T (monotone), as many as DDTree's default
+                top, idx = z.topk(candidates(args.budget, None, z.shape[-1]), dim=-1)
                 for T in {T for T, _ in variants}:
                     lp = top / T - torch.logsumexp(z / T, -1, keepdim=True)
                     for s in {s for t, s in variants if t == T}:
                         trees = best_first(lp * s ** depth, idx, args.budget)
                         acc[(T, s)].update(zip(part, accepted(trees, roots, truth).tolist()))
             for v in variants:
-                rounds[v] += replay_rounds(acc[v], draft_spans(item.loss_mask))[0]
+                rounds[v] += replay_rounds(acc[v], spans)[0]
         table[suite] = {f"T={T:g} s={s:g}": sum(r) / len(r) for (T, s), r in rounds.items()}
         base = table[suite]["T=1 s=1"]
         print(f"{suite}: τ {base:.3f} with the drafter's scores; best other "

@@ -115,14 +115,14 @@ def draft_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem,
+def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, spans: list[tuple[int, int]],
                    chunk: int = 32) -> Iterator[tuple[list[int], Tensor, Tensor, Tensor]]:
-    """The drafter's block at every answer position p of `item` (bonus = token p, context < p),
-    `chunk` positions at a time: (positions, logits [n, B-1, V], bonus tokens [n], truth [n, B]:
-    the data's token after depth d of a tree rooted at p, -1 past the answer, where nothing matches)."""
+    """The drafter's block at every position p of `item`'s answer spans (`draft_spans`; bonus =
+    token p, context < p), `chunk` positions at a time: (positions, logits [n, B-1, V], bonus
+    tokens [n], truth [n, B]: the data's token after depth d of a tree rooted at p, -1 past the
+    answer, where nothing matches)."""
     B, dev = drafter.config.block_size, head.device
     ids = item.input_ids.long().to(dev)
-    spans = draft_spans(item.loss_mask)
     anchors = [p for a, e in spans for p in range(a, e - 1)]
     end_of = {p: e for a, e in spans for p in range(a, e - 1)}
     feats = item.features.to(device=dev, dtype=head.dtype)[None]
@@ -142,7 +142,8 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
     """Accepted draft tokens at every answer position p (bonus = token p, context < p), per method.
     Returns ({label: {p: accepted}}, spans). Positions past the answer's end never match."""
     out: dict[str, dict[int, int]] = {label: {} for label, _, _ in labels}
-    for part, logits, roots, truth in drafted_blocks(drafter, head, item, chunk):
+    spans = draft_spans(item.loss_mask)
+    for part, logits, roots, truth in drafted_blocks(drafter, head, item, spans, chunk):
         # the same ops as online decoding (`tree.draft_trees`), the top-k taken once for every budget
         ks = {budget: candidates(budget, top_k, logits.shape[-1]) for _, m, budget in labels if m == "ddtree"}
         top = torch.log_softmax(logits.float(), -1).topk(max(ks.values()), dim=-1) if ks else None
@@ -151,7 +152,7 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
             trees = chains(logits.argmax(-1)) if chain else \
                 best_first(top.values[..., :ks[budget]], top.indices[..., :ks[budget]], budget)
             out[label].update(zip(part, accepted(trees, roots, truth, chain).tolist()))
-    return out, draft_spans(item.loss_mask)
+    return out, spans
 
 
 def accepted(trees: Trees, roots: Tensor, truth: Tensor, chain: bool = False) -> Tensor:
