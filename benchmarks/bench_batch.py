@@ -55,10 +55,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def parse_method(label: str) -> tuple[str, int | None]:
-    """'ar' | 'dflash' | 'ddtree-N' -> (method, budget)."""
-    name, _, budget = label.partition("-")
-    return name, int(budget) if budget else None
+def parse_method(label: str) -> tuple[str, int | None, bool]:
+    """'ar' | 'dflash' | 'ddtree-N', each but 'ar' optionally with '+cost' -> (method, budget, cost-aware)."""
+    name, _, budget = label.removesuffix("+cost").partition("-")
+    if name not in ("ar", "dflash", "ddtree") or (budget and not budget.isdigit()) or (name == "ar" and label != "ar"):
+        raise SystemExit(f"--methods: expected ar, dflash or ddtree-N (the last two optionally with +cost), got {label!r}")
+    return name, int(budget) if budget else None, label.endswith("+cost")
 
 
 WARM_PASSES = 3  # at most, before the timed one
@@ -78,9 +80,10 @@ def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int,
             stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation], dict]:
     """-> seconds, the generations, and what the timed pass ran: batch rounds (verification
     passes), joins, and CUDA graphs captured (none, unless a shape the untimed passes never met)."""
-    method, budget = parse_method(label)
+    method, budget, cost_aware = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                              cost_aware=cost_aware)
     if continuous:  # every prompt through `batch` rows, a finished row's place to the next prompt
         groups, kw["rows"], kw["refill"] = [prompts], batch, refill
     # Untimed passes over the same work, so that graph capture and compilation stay out of the
@@ -125,7 +128,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=8, help="first N HumanEval prompts (default 8)")
     p.add_argument("--batch-sizes", default="1,2,4,8")
-    p.add_argument("--methods", default="ar,dflash,ddtree-16", help="comma list of ar, dflash, ddtree-N")
+    p.add_argument("--methods", default="ar,dflash,ddtree-16", help="comma list of ar, dflash, ddtree-N; "
+                   "'+cost' after dflash or ddtree-N decodes cost-aware (`decode/cost.py`: verify only the draft "
+                   "prefix that pays at this batch size, skip drafts that do not), e.g. dflash+cost")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "static"))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default="groups",
@@ -152,6 +157,8 @@ def main() -> None:
     modes = ["continuous"] if args.continuous else args.modes.split(",")
     if not set(modes) <= {"groups", "continuous"}:
         raise SystemExit(f"--modes: expected a comma list of groups and continuous, got {args.modes!r}")
+    for label in methods:
+        parse_method(label)
     if methods[0] != "ar":
         raise SystemExit(f"--methods must start with ar (the baselines are AR's), got {args.methods!r}")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
