@@ -12,7 +12,10 @@ prompt near one of them. --compare-bundled evaluates the bundled drafter beside 
 the same run. --export-parts writes the new drafter (`best/`) as parts of at most 15 MiB with
 SHA-256 sums (`checkpoint.split_drafter`; `join_drafter` puts it back) right after training, and
 --json is written then too, so that both survive an evaluation cut short; --no-eval stops there
-(evaluate later with `dflashkit eval`), for a job whose time limit must go to data and training. Any greedy output that
+(evaluate later with `dflashkit eval`), for a job whose time limit must go to data and training.
+--data-only stops after the data (prompts, answers, tokens in train.output_dir), for a job whose
+time limit cannot hold both: a second run with data.prompts=OUTPUT_DIR/regenerated.jsonl finds
+every answer there (`regenerate` resumes by id) and spends its whole budget on training. Any greedy output that
 parts from autoregressive decoding other than at a numerical near-tie fails the run (after the
 report is written).
 """
@@ -95,11 +98,12 @@ def summary_markdown(result: dict[str, Any]) -> str:
     s, rg = result["seconds"], result["regenerate"]
     lines = ["## Quality run", "", "| stage | seconds | detail |", "| --- | ---: | --- |"]
     detail = {
-        "prompts": f"{rg['prompts']} prompts",
+        "prompts": f"{rg['prompts']} prompts"
+                   + (f" ({rg['already_done']} answered in an earlier run)" if rg.get("already_done") else ""),
         "regenerate": f"{rg['completion_tokens']} tokens, {rg['tokens_per_s']:.0f} tokens/s, batch {rg['batch']}",
         "tokenize": f"{result['tokenize']['written']} samples",
         "train": f"{result['train']['steps']} steps (best τ_sim {result['train']['tau_sim']:.3f} at step "
-                 f"{result['train']['step']}), budget {result['train']['time_budget_s']:.0f} s",
+                 f"{result['train']['step']}), budget {result['train']['time_budget_s']:.0f} s" if result["train"] else "",
         "eval": f"{result['eval']['prompts']} prompts" if result["eval"] else "",
     }
     for stage, sec in s.items():
@@ -125,6 +129,14 @@ def summary_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def finish(result: dict[str, Any], clock: Clock, json_path: str | None) -> None:
+    """A run that stops before the evaluation: its total time, its JSON, its table."""
+    clock.seconds["total"] = clock.elapsed() + clock.seconds["imports"]
+    if json_path:
+        atomic_write_json(Path(json_path), result)
+    print(summary_markdown(result))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -141,6 +153,9 @@ def main() -> None:
     p.add_argument("--no-eval", action="store_true",
                    help="stop after training (and --export-parts): evaluate later with `dflashkit eval --drafter DIR/best`, "
                         "so that a time-limited job spends its budget on data and training")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after prompts, regenerate and tokenize; train in a second run given "
+                        "data.prompts=TRAIN_OUTPUT_DIR/regenerated.jsonl (every answer is found there, none rewritten)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -162,6 +177,17 @@ def main() -> None:
     ts = tokenize_file(regen, target.tokenizer, tok_path, max_length=d.max_length)
     samples = load_tokenized(tok_path)
     clock.lap("tokenize")
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "config": a.config, "overrides": a.overrides, "budget_s": a.budget_s, "seconds": clock.seconds,
+        "regenerate": {"prompts": rs.written + rs.already_done, "already_done": rs.already_done,
+                       "completion_tokens": rs.completion_tokens, "seconds": rs.seconds,
+                       "tokens_per_s": rs.tokens_per_s, "batch": d.batch_size},
+        "tokenize": {**asdict(ts), "problems": len(ts.problems)}, "train": None, "export": None, "eval": None,
+    }
+    if a.data_only:
+        finish(result, clock, a.json)
+        return
 
     stop = stop_token_ids(target.tokenizer, target.model.generation_config)
     suites = [(replace(s, max_new_tokens=a.suite_tokens or s.max_new_tokens),
@@ -179,24 +205,15 @@ def main() -> None:
         split_drafter(best, a.export_parts)
         clock.lap("export")
 
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "config": a.config, "overrides": a.overrides, "budget_s": a.budget_s, "seconds": clock.seconds,
-        "regenerate": {"prompts": rs.written, "completion_tokens": rs.completion_tokens, "seconds": rs.seconds,
-                       "tokens_per_s": rs.tokens_per_s, "batch": d.batch_size},
-        "tokenize": {**asdict(ts), "problems": len(ts.problems)},
-        "train": {"steps": json.loads((run_dir / "latest.json").read_text())["step"],
-                  "time_budget_s": cfg.train.time_budget_s, **json.loads((run_dir / "best.json").read_text())},
-        "export": {"dir": a.export_parts, "files": sorted(f.name for f in Path(a.export_parts).iterdir())}
-        if a.export_parts else None,
-        "eval": None,
-    }
+    result["train"] = {"steps": json.loads((run_dir / "latest.json").read_text())["step"],
+                       "time_budget_s": cfg.train.time_budget_s, **json.loads((run_dir / "best.json").read_text())}
+    if a.export_parts:
+        result["export"] = {"dir": a.export_parts, "files": sorted(f.name for f in Path(a.export_parts).iterdir())}
+    if a.no_eval:
+        finish(result, clock, a.json)
+        return
     if a.json:  # the training's outcome is kept even if the evaluation does not finish
         atomic_write_json(Path(a.json), result)
-    if a.no_eval:
-        clock.seconds["total"] = clock.elapsed() + clock.seconds["imports"]
-        print(summary_markdown(result))
-        return
 
     drafters = {"trained": load_drafter(best, target, device=target.device, dtype=target.dtype)}
     if a.compare_bundled:
