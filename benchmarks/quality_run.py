@@ -180,7 +180,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "config": a.config, "overrides": a.overrides, "budget_s": a.budget_s, "seconds": clock.seconds,
-        "regenerate": {"prompts": rs.written + rs.already_done, "already_done": rs.already_done,
+        "regenerate": {"prompts": rs.prompts, "already_done": rs.already_done,
                        "completion_tokens": rs.completion_tokens, "seconds": rs.seconds,
                        "tokens_per_s": rs.tokens_per_s, "batch": d.batch_size},
         "tokenize": {**asdict(ts), "problems": len(ts.problems)}, "train": None, "export": None, "eval": None,
