@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from dflashkit.data.chat import prompt_ids, render
 from dflashkit.data.prompts import load_prompts, near_evaluation
-from dflashkit.data.selfprompts import user_turn_prefix, writer
+from dflashkit.data.selfprompts import progress_file, user_turn_prefix, write_prompts, writer
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.vocab import stop_token_ids
 
@@ -69,6 +71,48 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
     # another seed (`data.seed`) writes other prompts
     other = load_prompts("self:3", writer=writer(smollm2, batch_size=2, seed=1))
     assert not {m["content"].lower() for c in other for m in c.messages[::2]} & texts
+
+
+def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2, tmp_path: Path, monkeypatch):
+    spec_text = TINY_SPEC.replace('["", "What"]', '["", "What", "How", "Why", "Tell me", "Give me"]')
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec_text)
+    monkeypatch.setattr("dflashkit.data.selfprompts.spec_path", lambda: spec)
+    real = __import__("dflashkit.decode.loop", fromlist=["generate_batch"]).generate_batch
+    calls: list[list[int]] = []  # per run: how many prompts each generate_batch call was given
+
+    def counting(fail_at: int | None = None):
+        calls.append([])
+
+        def generate_batch(engine, prompts, **kw):
+            if len(calls[-1]) == fail_at:
+                raise KeyboardInterrupt  # the job is stopped in its third batch of messages
+            calls[-1].append(len(prompts))
+            return real(engine, prompts, **kw)
+        monkeypatch.setattr("dflashkit.decode.loop.generate_batch", generate_batch)
+
+    def near_eval(text: str) -> bool:  # turns down about half the first messages: it takes several rounds
+        return "\n" not in text and zlib.crc32(text.encode()) % 2 == 0
+
+    def run(keep: Path | None = None) -> list[dict]:
+        return [vars(c) for c in write_prompts(smollm2, 6, batch_size=2, chunk=2, near_eval=near_eval, keep=keep)]
+
+    counting()
+    whole = run()  # saves nothing
+    keep = tmp_path / "run"
+    counting(fail_at=len(calls[0]) - 1)  # stopped in its last batch of messages
+    with pytest.raises(KeyboardInterrupt):
+        run(keep)
+    saved = progress_file(keep, smollm2, 6, 0, spec_text)
+    assert json.loads(saved.read_text())["round"] >= 1  # past the first round: its random state was restored
+    counting()
+    assert run(keep) == whole
+    assert calls[1] + calls[2] == calls[0]  # the messages written before the stop were not written again
+    counting(fail_at=0)  # finished: read back, nothing written
+    assert run(keep) == whole
+    saved.write_text("{")
+    with pytest.raises(ValueError, match="unreadable progress of self-written prompts.*delete it"):
+        run(keep)
 
 
 def test_bad_self_prompt_sources_get_clear_errors(smollm2):

@@ -13,6 +13,8 @@ Deterministic for a given target and seed: every message samples from its own ra
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import re
@@ -30,6 +32,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from dflashkit.checkpoint import atomic_write_json
 from dflashkit.data.chat import encode, render
 from dflashkit.data.prompts import Conversation
 from dflashkit.data.trainset import interleave, quotas
@@ -63,25 +66,36 @@ class _Draft:
     messages: list[dict]
 
 
-def writer(target: Any, batch_size: int | None = None,
-           seed: int = 0) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
+def writer(target: Any, batch_size: int | None = None, seed: int = 0,
+           keep: Path | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
     """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``."""
     return lambda count, near_eval: write_prompts(target, count, near_eval=near_eval, batch_size=batch_size,
-                                                  seed=seed)
+                                                  seed=seed, keep=keep)
+
+
+def progress_file(keep: Path, target: Any, count: int, seed: int, spec_text: str) -> Path:
+    """Where `write_prompts(keep=...)` saves its progress: one file per target, count, seed and spec."""
+    digest = hashlib.sha256(f"{getattr(target, 'name', '')}\n{spec_text}".encode()).hexdigest()[:10]
+    return Path(keep) / f"self-prompts-{count}-seed{seed}-{digest}.json"
 
 
 def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] | None = None, seed: int = 0,
-                  batch_size: int | None = None, path: Path | None = None) -> list[Conversation]:
+                  batch_size: int | None = None, path: Path | None = None, keep: Path | None = None,
+                  chunk: int | None = None) -> list[Conversation]:
     """`count` conversations that end with a user message written by `target`, ids
     ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
     batch_size: messages written at once, a finished one's row refilled (default 256 on a GPU, 16
-    on a CPU). seed: another seed writes other prompts (`data.seed`)."""
+    on a CPU). seed: another seed writes other prompts (`data.seed`).
+    keep: a directory where progress is saved (atomically) after every `chunk` drafts (default 16
+    batches): an interrupted run resumes there and writes what an uninterrupted one writes, and a
+    finished run's prompts are read back instead of written again."""
     from dflashkit.decode.generation import Sampling
     from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
 
     path = path or spec_path()
-    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    spec_text = path.read_text(encoding="utf-8")
+    spec = yaml.safe_load(spec_text)
     try:
         sampling, weights, categories = spec["sampling"], spec["weights"], spec["categories"]
         names = list(weights)
@@ -93,6 +107,14 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     if count < 1:
         raise ValueError(f"self:{count}: expected a positive number of prompts")
     batch_size = batch_size or (256 if target.device.type == "cuda" else 16)
+    chunk = chunk or 16 * batch_size
+    saved = progress_file(keep, target, count, seed, spec_text) if keep is not None else None
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+    state = _read_progress(saved) if saved is not None and saved.is_file() else None
+    if state is not None and state.get("conversations") is not None:
+        log.info("self:%d: the %d prompts written earlier, read from %s", count, len(state["conversations"]), saved)
+        return [Conversation(**c) for c in state["conversations"]]
     tok = target.tokenizer
     stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     engine = make_engine(target, None)
@@ -102,6 +124,13 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     made: dict[str, list[list[dict]]] = {c: [] for c in names}
     seen: set[str] = set()
     tried = dict.fromkeys(names, 0)
+    first_round, resume_at, start = 0, 0, None
+    if state is not None:  # the round under way when it stopped, rebuilt from that round's start
+        made = {c: state["made"][c] for c in names}
+        seen, tried, start = set(state["seen"]), dict(state["round_start"]["tried"]), state["round_start"]
+        first_round, resume_at = state["round"], state["done"]
+        r.setstate((start["random"][0], tuple(start["random"][1]), start["random"][2]))
+        log.info("self:%d: resuming from %s (%d written)", count, saved, sum(map(len, made.values())))
 
     def sample(prefixes: list[str], keys: list[str] | None) -> list[tuple[str, bool]]:
         """(text, finished) per prefix: the target's continuation up to its end of turn, sampled
@@ -125,16 +154,9 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
         return True
 
     opening = user_turn_prefix(tok, [])  # what every first message follows
-    bar = tqdm(total=count, desc="write prompts", unit="prompt", disable=None)
-    t0 = time.perf_counter()
-    for rnd in range(ROUNDS):
-        drafts = []
-        for c in names:
-            for _ in range(math.ceil(1.3 * (quota[c] - len(made[c])))):
-                tried[c] += 1
-                drafts.append(_Draft(c, r.choice(openers[c]), f"{c}:{tried[c]}", []))
-        if not drafts:
-            break
+
+    def write(drafts: list[_Draft]) -> int:
+        """Write the drafts' messages; keep the usable conversations in `made`. Returns how many."""
         firsts = sample([opening + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
         kept = []
         for d, (text, done) in zip(drafts, firsts):
@@ -152,16 +174,54 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                 d.messages.append({"role": "user", "content": text.strip()})
                 if not usable(text, done, "\n".join(m["content"] for m in d.messages)):
                     d.messages = []
+        n = 0
         for d in kept:
             if d.messages and len(made[d.category]) < quota[d.category]:
                 made[d.category].append(d.messages)
-                bar.update(1)
+                n += 1
+        return n
+
+    bar = tqdm(total=count, initial=sum(map(len, made.values())), desc="write prompts", unit="prompt", disable=None)
+    t0 = time.perf_counter()
+    for rnd in range(first_round, ROUNDS):
+        if rnd != first_round or start is None:
+            start = {"random": r.getstate(), "tried": dict(tried), "made": {c: len(made[c]) for c in names}}
+        drafts = []  # this round's: ~1.3x what was missing when it started
+        for c in names:
+            for _ in range(math.ceil(1.3 * (quota[c] - start["made"][c]))):
+                tried[c] += 1
+                drafts.append(_Draft(c, r.choice(openers[c]), f"{c}:{tried[c]}", []))
+        if not drafts:
+            break
+        kept = 0
+        for i in range(resume_at if rnd == first_round else 0, len(drafts), chunk):
+            kept += write(drafts[i:i + chunk])
+            bar.n = sum(map(len, made.values()))
+            bar.refresh()
+            if saved is not None:
+                atomic_write_json(saved, {"round": rnd, "done": min(i + chunk, len(drafts)), "round_start": start,
+                                          "made": made, "seen": sorted(seen)})
         log.info("self-written prompts, round %d: %d of %d written (%d kept of %d tried), %.1f s", rnd + 1,
-                 sum(map(len, made.values())), count, len([d for d in kept if d.messages]), len(drafts),
-                 time.perf_counter() - t0)
+                 sum(map(len, made.values())), count, kept, len(drafts), time.perf_counter() - t0)
     bar.close()
     short = {c: quota[c] - len(made[c]) for c in names if len(made[c]) < quota[c]}
     if short:
         raise RuntimeError(f"self:{count}: the target wrote too few usable prompts after {ROUNDS} rounds "
                            f"(missing per category: {short}); check its chat template, or ask for fewer")
-    return [Conversation(f"self-{c}-{i:05d}", m, "self") for i, (c, m) in enumerate(interleave(made, r), 1)]
+    convs = [Conversation(f"self-{c}-{i:05d}", m, "self") for i, (c, m) in enumerate(interleave(made, r), 1)]
+    if saved is not None:
+        atomic_write_json(saved, {"conversations": [vars(c) for c in convs]})
+    return convs
+
+
+def _read_progress(path: Path) -> dict:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        state = e
+    if not isinstance(state, dict) or not ("conversations" in state
+                                           or {"round", "done", "round_start", "made", "seen"} <= state.keys()):
+        what = state if isinstance(state, Exception) else "expected 'conversations', or a round's progress"
+        raise ValueError(f"{path}: unreadable progress of self-written prompts ({what}); "
+                         "delete it to write them again from the start")
+    return state
