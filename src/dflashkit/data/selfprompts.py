@@ -86,9 +86,10 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
     batch_size: messages written at once, a finished one's row refilled (default 256 on a GPU, 16
     on a CPU). seed: another seed writes other prompts (`data.seed`).
-    keep: a directory where progress is saved (atomically) after every `chunk` drafts (default 16
+    keep: a directory where progress is saved (atomically) after every `chunk` drafts (default 64
     batches): an interrupted run resumes there and writes what an uninterrupted one writes, and a
-    finished run's prompts are read back instead of written again."""
+    finished run's prompts are read back instead of written again. Each chunk ends with its batch
+    draining (rows left idle as its last messages finish), so chunks are large."""
     from dflashkit.decode.generation import Sampling
     from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
@@ -107,7 +108,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     if count < 1:
         raise ValueError(f"self:{count}: expected a positive number of prompts")
     batch_size = batch_size or (256 if target.device.type == "cuda" else 16)
-    chunk = chunk or 16 * batch_size
+    chunk = chunk or 64 * batch_size
     saved = progress_file(keep, target, count, seed, spec_text) if keep is not None else None
     if saved is not None:
         saved.parent.mkdir(parents=True, exist_ok=True)
