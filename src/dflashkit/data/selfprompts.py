@@ -19,6 +19,7 @@ import math
 import random
 import re
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -40,7 +41,11 @@ from dflashkit.data.trainset import interleave, quotas
 log = logging.getLogger(__name__)
 
 SEED = 20261203
-ROUNDS = 8  # passes over the missing prompts before giving up (each pass writes ~1.3x what is missing)
+ROUNDS = 8  # passes over the missing prompts before giving up
+# A pass drafts what is missing times a factor: 1.05 at first (SmolLM2 wrote 91-96 % usable messages,
+# and a message that finds its category full was written for nothing: at 1.3x, a fifth of them), then
+# 1.1 over the share usable in the pass before, at most 4x.
+FIRST_FACTOR, MARGIN, MAX_FACTOR = 1.05, 1.1, 4.0
 _SENTINEL = "\x00dflashkit-user-message\x00"
 
 
@@ -125,10 +130,11 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     made: dict[str, list[list[dict]]] = {c: [] for c in names}
     seen: set[str] = set()
     tried = dict.fromkeys(names, 0)
-    first_round, resume_at, start = 0, 0, None
+    first_round, resume_at, start, factor = 0, 0, None, dict.fromkeys(names, FIRST_FACTOR)
     if state is not None:  # the round under way when it stopped, rebuilt from that round's start
         made = {c: state["made"][c] for c in names}
         seen, tried, start = set(state["seen"]), dict(state["round_start"]["tried"]), state["round_start"]
+        usable_in_round, factor = dict(state["usable"]), dict(start["factor"])
         first_round, resume_at = state["round"], state["done"]
         r.setstate((start["random"][0], tuple(start["random"][1]), start["random"][2]))
         log.info("self:%d: resuming from %s (%d written)", count, saved, sum(map(len, made.values())))
@@ -156,8 +162,9 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
 
     opening = user_turn_prefix(tok, [])  # what every first message follows
 
-    def write(drafts: list[_Draft]) -> int:
-        """Write the drafts' messages; keep the usable conversations in `made`. Returns how many."""
+    def write(drafts: list[_Draft]) -> Counter[str]:
+        """Write the drafts' messages; keep the usable conversations in `made` (up to each category's
+        quota). Returns how many were usable per category."""
         firsts = sample([opening + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
         kept = []
         for d, (text, done) in zip(drafts, firsts):
@@ -175,35 +182,41 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                 d.messages.append({"role": "user", "content": text.strip()})
                 if not usable(text, done, "\n".join(m["content"] for m in d.messages)):
                     d.messages = []
-        n = 0
+        kept = [d for d in kept if d.messages]
         for d in kept:
-            if d.messages and len(made[d.category]) < quota[d.category]:
+            if len(made[d.category]) < quota[d.category]:
                 made[d.category].append(d.messages)
-                n += 1
-        return n
+        return Counter(d.category for d in kept)
 
     bar = tqdm(total=count, initial=sum(map(len, made.values())), desc="write prompts", unit="prompt", disable=None)
     t0 = time.perf_counter()
     for rnd in range(first_round, ROUNDS):
         if rnd != first_round or start is None:
-            start = {"random": r.getstate(), "tried": dict(tried), "made": {c: len(made[c]) for c in names}}
-        drafts = []  # this round's: ~1.3x what was missing when it started
+            start = {"random": r.getstate(), "tried": dict(tried), "made": {c: len(made[c]) for c in names},
+                     "factor": dict(factor)}
+            usable_in_round = dict.fromkeys(names, 0)
+        drafts = []  # what was missing when the round started, times its factor
         for c in names:
-            for _ in range(math.ceil(1.3 * (quota[c] - start["made"][c]))):
+            for _ in range(math.ceil(start["factor"][c] * (quota[c] - start["made"][c]))):
                 tried[c] += 1
                 drafts.append(_Draft(c, r.choice(openers[c]), f"{c}:{tried[c]}", []))
         if not drafts:
             break
-        kept = 0
         for i in range(resume_at if rnd == first_round else 0, len(drafts), chunk):
-            kept += write(drafts[i:i + chunk])
+            for c, n in write(drafts[i:i + chunk]).items():
+                usable_in_round[c] += n
             bar.n = sum(map(len, made.values()))
             bar.refresh()
             if saved is not None:
                 atomic_write_json(saved, {"round": rnd, "done": min(i + chunk, len(drafts)), "round_start": start,
-                                          "made": made, "seen": sorted(seen)})
-        log.info("self-written prompts, round %d: %d of %d written (%d kept of %d tried), %.1f s", rnd + 1,
-                 sum(map(len, made.values())), count, kept, len(drafts), time.perf_counter() - t0)
+                                          "usable": usable_in_round, "made": made, "seen": sorted(seen)})
+        log.info("self-written prompts, round %d: %d of %d written (%d usable of %d tried), %.1f s", rnd + 1,
+                 sum(map(len, made.values())), count, sum(usable_in_round.values()), len(drafts),
+                 time.perf_counter() - t0)
+        for c in names:
+            if tried[c] > start["tried"][c]:
+                share = usable_in_round[c] / (tried[c] - start["tried"][c])
+                factor[c] = min(MAX_FACTOR, MARGIN / share) if share else MAX_FACTOR
     bar.close()
     short = {c: quota[c] - len(made[c]) for c in names if len(made[c]) < quota[c]}
     if short:
@@ -221,7 +234,7 @@ def _read_progress(path: Path) -> dict:
     except (OSError, ValueError) as e:
         state = e
     if not isinstance(state, dict) or not ("conversations" in state
-                                           or {"round", "done", "round_start", "made", "seen"} <= state.keys()):
+                                           or {"round", "done", "round_start", "usable", "made", "seen"} <= state.keys()):
         what = state if isinstance(state, Exception) else "expected 'conversations', or a round's progress"
         raise ValueError(f"{path}: unreadable progress of self-written prompts ({what}); "
                          "delete it to write them again from the start")
