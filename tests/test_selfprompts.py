@@ -94,8 +94,9 @@ def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2,
     def near_eval(text: str) -> bool:  # turns down about half the first messages: it takes several rounds
         return "\n" not in text and zlib.crc32(text.encode()) % 2 == 0
 
-    def run(keep: Path | None = None) -> list[dict]:
-        return [vars(c) for c in write_prompts(smollm2, 6, batch_size=2, chunk=2, near_eval=near_eval, keep=keep)]
+    def run(keep: Path | None = None) -> list[str]:  # as JSON, key order included
+        return [json.dumps(vars(c)) for c in write_prompts(smollm2, 6, batch_size=2, chunk=2, near_eval=near_eval,
+                                                           keep=keep)]
 
     counting()
     whole = run()  # saves nothing

@@ -8,7 +8,8 @@ category; a two-turn category gets a first message, the target's greedy answer t
 follow-up message. Messages still open after the sampling limit, empty or repeated ones, and any
 that come near an evaluation prompt (``near_eval``) are dropped and written again.
 
-Deterministic for a given target and seed: every message samples from its own random stream.
+Deterministic for a given target and seed: every message samples from its own random stream. Given
+a directory (`keep`), the writer saves its progress there, and a stopped job resumes it.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     state = _read_progress(saved) if saved is not None and saved.is_file() else None
     if state is not None and state.get("conversations") is not None:
         log.info("self:%d: the %d prompts written earlier, read from %s", count, len(state["conversations"]), saved)
-        return [Conversation(**c) for c in state["conversations"]]
+        return [Conversation(c["id"], _messages(c["messages"]), c["source"]) for c in state["conversations"]]
     tok = target.tokenizer
     stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     engine = make_engine(target, None)
@@ -132,7 +133,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     tried = dict.fromkeys(names, 0)
     first_round, resume_at, start, factor = 0, 0, None, dict.fromkeys(names, FIRST_FACTOR)
     if state is not None:  # the round under way when it stopped, rebuilt from that round's start
-        made = {c: state["made"][c] for c in names}
+        made = {c: [_messages(m) for m in state["made"][c]] for c in names}
         seen, tried, start = set(state["seen"]), dict(state["round_start"]["tried"]), state["round_start"]
         usable_in_round, factor = dict(state["usable"]), dict(start["factor"])
         first_round, resume_at = state["round"], state["done"]
@@ -226,6 +227,11 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     if saved is not None:
         atomic_write_json(saved, {"conversations": [vars(c) for c in convs]})
     return convs
+
+
+def _messages(messages: list[dict]) -> list[dict]:
+    """Messages read back from a progress file (saved with sorted keys) in the order written."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _read_progress(path: Path) -> dict:
