@@ -34,7 +34,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from dflashkit.checkpoint import atomic_write_json
+from dflashkit.checkpoint import atomic_write_bytes
 from dflashkit.data.chat import encode, render
 from dflashkit.data.prompts import Conversation
 from dflashkit.data.trainset import interleave, quotas
@@ -121,7 +121,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     state = _read_progress(saved) if saved is not None and saved.is_file() else None
     if state is not None and state.get("conversations") is not None:
         log.info("self:%d: the %d prompts written earlier, read from %s", count, len(state["conversations"]), saved)
-        return [Conversation(c["id"], _messages(c["messages"]), c["source"]) for c in state["conversations"]]
+        return [Conversation(**c) for c in state["conversations"]]
     tok = target.tokenizer
     stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
     engine = make_engine(target, None)
@@ -133,7 +133,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     tried = dict.fromkeys(names, 0)
     first_round, resume_at, start, factor = 0, 0, None, dict.fromkeys(names, FIRST_FACTOR)
     if state is not None:  # the round under way when it stopped, rebuilt from that round's start
-        made = {c: [_messages(m) for m in state["made"][c]] for c in names}
+        made = {c: state["made"][c] for c in names}
         seen, tried, start = set(state["seen"]), dict(state["round_start"]["tried"]), state["round_start"]
         usable_in_round, factor = dict(state["usable"]), dict(start["factor"])
         first_round, resume_at = state["round"], state["done"]
@@ -209,8 +209,8 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
             bar.n = sum(map(len, made.values()))
             bar.refresh()
             if saved is not None:
-                atomic_write_json(saved, {"round": rnd, "done": min(i + chunk, len(drafts)), "round_start": start,
-                                          "usable": usable_in_round, "made": made, "seen": sorted(seen)})
+                _save(saved, {"round": rnd, "done": min(i + chunk, len(drafts)), "round_start": start,
+                              "usable": usable_in_round, "made": made, "seen": sorted(seen)})
         log.info("self-written prompts, round %d: %d of %d written (%d usable of %d tried), %.1f s", rnd + 1,
                  sum(map(len, made.values())), count, sum(usable_in_round.values()), len(drafts),
                  time.perf_counter() - t0)
@@ -225,13 +225,14 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                            f"(missing per category: {short}); check its chat template, or ask for fewer")
     convs = [Conversation(f"self-{c}-{i:05d}", m, "self") for i, (c, m) in enumerate(interleave(made, r), 1)]
     if saved is not None:
-        atomic_write_json(saved, {"conversations": [vars(c) for c in convs]})
+        _save(saved, {"conversations": [vars(c) for c in convs]})
     return convs
 
 
-def _messages(messages: list[dict]) -> list[dict]:
-    """Messages read back from a progress file (saved with sorted keys) in the order written."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+def _save(path: Path, state: dict) -> None:
+    # Compact, keys in the order written (a message reads back as written): the file is rewritten
+    # after every chunk and holds every message so far.
+    atomic_write_bytes(path, json.dumps(state, ensure_ascii=False, separators=(",", ":")).encode())
 
 
 def _read_progress(path: Path) -> dict:
