@@ -10,7 +10,7 @@ stop) is supervised too, unless the answer was cut by `max_new_tokens`.
 
 Token ids are built piece by piece (context, answer, context, ...), each piece tokenised on its
 own: the prompt piece is then exactly what `regenerate` fed the target, and no token straddles a
-mask boundary.
+mask boundary. A file's pieces go to the tokenizer in blocks of conversations, one call each.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from tqdm import tqdm
 from dflashkit.checkpoint import remove_stale_temp_files, temp_path
 
 log = logging.getLogger(__name__)
+
+ENCODE_BATCH = 512  # conversations whose pieces go to the tokenizer in one call
 
 
 @dataclass
@@ -129,27 +131,51 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], *, max_length: i
     `answer_ids`: the token ids the target generated for the last answer (stop token excluded);
     used instead of re-encoding its text, which gives other ids for a few percent of answers
     (the target need not emit canonical BPE merges)."""
-    return _tokenize(tokenizer, messages, max_length=max_length, thinking=thinking, supervise_end=supervise_end,
-                     answer_ids=answer_ids, id=id)[0]
+    pieces = _pieces(tokenizer, messages, thinking=thinking, answer_ids=answer_ids)
+    return _assemble(pieces, _encode_pieces(tokenizer, [pieces])[0], max_length=max_length,
+                     supervise_end=supervise_end, id=id)[0]
 
 
-def _tokenize(tokenizer: Any, messages: list[dict], *, max_length: int, thinking: bool, supervise_end: bool,
-              answer_ids: list[int] | None, id: str) -> tuple[TokenizedSample | None, bool, bool]:
-    """(sample, truncated, the target's own answer ids were used)."""
+@dataclass
+class _Pieces:
+    """A rendered conversation cut at its answers' bounds: context, answer, context, ... ."""
+    texts: list[str]
+    own_ids: list[int] | None  # the target's ids for the last answer, when they spell its text exactly
+
+
+def _pieces(tokenizer: Any, messages: list[dict], *, thinking: bool, answer_ids: list[int] | None) -> _Pieces:
     text, spans = assistant_spans(tokenizer, messages, thinking=thinking)
     bounds = [0, *[x for s in spans for x in s], len(text)]
+    texts = [text[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    # The generated ids, when they spell exactly the last answer's text as the template wrote it.
+    exact = bool(spans) and answer_ids is not None and tokenizer.decode(answer_ids, skip_special_tokens=True) == texts[-2]
+    return _Pieces(texts, list(answer_ids) if exact else None)
+
+
+def _encode_pieces(tokenizer: Any, convs: list[_Pieces]) -> list[list[list[int]]]:
+    """Each conversation's pieces as token ids, every piece on its own, all in one call to the
+    tokenizer (a fast tokenizer encodes the batch on all cores); the pieces that `own_ids`
+    replaces are not encoded."""
+    todo = [(c, k) for c, p in enumerate(convs) for k, t in enumerate(p.texts)
+            if t and not (p.own_ids is not None and k == len(p.texts) - 2)]
+    done = tokenizer([convs[c].texts[k] for c, k in todo], add_special_tokens=False)["input_ids"] if todo else []
+    out: list[list[list[int]]] = [[[] for _ in p.texts] for p in convs]
+    for (c, k), ids in zip(todo, done):
+        out[c][k] = ids
+    return out
+
+
+def _assemble(pieces: _Pieces, piece_ids: list[list[int]], *, max_length: int, supervise_end: bool,
+              id: str) -> tuple[TokenizedSample | None, bool]:
+    """(sample, truncated): answers supervised, contexts not, except the first token after an
+    answer (its end-of-turn) when `supervise_end`."""
     ids: list[int] = []
     mask: list[int] = []
-    exact = False
-    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for k, toks in enumerate(piece_ids):
         if k % 2:  # an answer
-            last = hi == spans[-1][1]
-            # The generated ids, when they spell exactly the answer's text as the template wrote it.
-            exact = last and answer_ids is not None and tokenizer.decode(answer_ids, skip_special_tokens=True) == text[lo:hi]
-            toks = list(answer_ids) if exact else encode(tokenizer, text[lo:hi])
+            toks = pieces.own_ids if pieces.own_ids is not None and k == len(piece_ids) - 2 else toks
             m = [1] * len(toks)
         else:
-            toks = encode(tokenizer, text[lo:hi])
             m = [0] * len(toks)
             if k and supervise_end and toks:
                 m[0] = 1
@@ -158,8 +184,8 @@ def _tokenize(tokenizer: Any, messages: list[dict], *, max_length: int, thinking
     truncated = len(ids) > max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if not any(a and b for a, b in zip(mask, mask[1:])):
-        return None, truncated, exact
-    return TokenizedSample(id=id, input_ids=ids, loss_mask=mask), truncated, exact
+        return None, truncated
+    return TokenizedSample(id=id, input_ids=ids, loss_mask=mask), truncated
 
 
 def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str | Path, *, max_length: int,
@@ -178,24 +204,27 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     remove_stale_temp_files(out.parent, out.name)  # left by a killed run
     tmp = temp_path(out)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for conv in tqdm(convs, desc="tokenize", unit="conv", disable=None):
-                if conv.messages[-1]["role"] != "assistant":
-                    stats.dropped_unsupervised += 1
-                    continue
-                finish, answer_ids = generation.get(conv.id, (None, None))
-                sample, truncated, exact = _tokenize(tokenizer, conv.messages, max_length=max_length, thinking=thinking,
-                                                     supervise_end=finish != "length", answer_ids=answer_ids, id=conv.id)
-                if sample is None:
-                    stats.dropped_unsupervised += 1
-                    continue
-                stats.written += 1
-                stats.truncated += truncated
-                stats.target_ids += exact
-                stats.tokens += len(sample.input_ids)
-                stats.supervised_tokens += sum(sample.loss_mask)
-                # vars, not asdict: asdict deep-copies every id list (40 % of this loop on a CPU)
-                f.write(json.dumps(vars(sample), separators=(",", ":")) + "\n")
+        with open(tmp, "w", encoding="utf-8") as f, tqdm(total=len(convs), desc="tokenize", unit="conv", disable=None) as bar:
+            for start in range(0, len(convs), ENCODE_BATCH):
+                block = convs[start:start + ENCODE_BATCH]
+                bar.update(len(block))
+                stats.dropped_unsupervised += sum(c.messages[-1]["role"] != "assistant" for c in block)
+                block = [c for c in block if c.messages[-1]["role"] == "assistant"]
+                info = [generation.get(c.id, (None, None)) for c in block]
+                pieces = [_pieces(tokenizer, c.messages, thinking=thinking, answer_ids=ids) for c, (_, ids) in zip(block, info)]
+                for conv, (finish, _), p, piece_ids in zip(block, info, pieces, _encode_pieces(tokenizer, pieces)):
+                    sample, truncated = _assemble(p, piece_ids, max_length=max_length, supervise_end=finish != "length",
+                                                  id=conv.id)
+                    if sample is None:
+                        stats.dropped_unsupervised += 1
+                        continue
+                    stats.written += 1
+                    stats.truncated += truncated
+                    stats.target_ids += p.own_ids is not None
+                    stats.tokens += len(sample.input_ids)
+                    stats.supervised_tokens += sum(sample.loss_mask)
+                    # vars, not asdict: asdict deep-copies every id list (40 % of this loop on a CPU)
+                    f.write(json.dumps(vars(sample), separators=(",", ":")) + "\n")
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
