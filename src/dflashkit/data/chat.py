@@ -207,7 +207,6 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
         with open(tmp, "w", encoding="utf-8") as f, tqdm(total=len(convs), desc="tokenize", unit="conv", disable=None) as bar:
             for start in range(0, len(convs), ENCODE_BATCH):
                 block = convs[start:start + ENCODE_BATCH]
-                bar.update(len(block))
                 stats.dropped_unsupervised += sum(c.messages[-1]["role"] != "assistant" for c in block)
                 block = [c for c in block if c.messages[-1]["role"] == "assistant"]
                 info = [generation.get(c.id, (None, None)) for c in block]
@@ -225,6 +224,7 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
                     stats.supervised_tokens += sum(sample.loss_mask)
                     # vars, not asdict: asdict deep-copies every id list (40 % of this loop on a CPU)
                     f.write(json.dumps(vars(sample), separators=(",", ":")) + "\n")
+                bar.update(min(ENCODE_BATCH, len(convs) - start))
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
