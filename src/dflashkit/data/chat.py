@@ -132,8 +132,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], *, max_length: i
     used instead of re-encoding its text, which gives other ids for a few percent of answers
     (the target need not emit canonical BPE merges)."""
     pieces = _pieces(tokenizer, messages, thinking=thinking, answer_ids=answer_ids)
-    return _assemble(pieces, _encode_pieces(tokenizer, [pieces])[0], max_length=max_length,
-                     supervise_end=supervise_end, id=id)[0]
+    return _assemble(_encode_pieces(tokenizer, [pieces])[0], max_length=max_length, supervise_end=supervise_end,
+                     id=id)[0]
 
 
 @dataclass
@@ -154,18 +154,20 @@ def _pieces(tokenizer: Any, messages: list[dict], *, thinking: bool, answer_ids:
 
 def _encode_pieces(tokenizer: Any, convs: list[_Pieces]) -> list[list[list[int]]]:
     """Each conversation's pieces as token ids, every piece on its own, all in one call to the
-    tokenizer (a fast tokenizer encodes the batch on all cores); the pieces that `own_ids`
-    replaces are not encoded."""
-    todo = [(c, k) for c, p in enumerate(convs) for k, t in enumerate(p.texts)
-            if t and not (p.own_ids is not None and k == len(p.texts) - 2)]
+    tokenizer (a fast tokenizer encodes the batch on all cores); a last answer with `own_ids`
+    takes them and is not encoded."""
+    out: list[list[list[int] | None]] = [[None] * len(p.texts) for p in convs]
+    for c, p in enumerate(convs):
+        if p.own_ids is not None:
+            out[c][-2] = p.own_ids
+    todo = [(c, k) for c, p in enumerate(convs) for k, t in enumerate(p.texts) if out[c][k] is None and t]
     done = tokenizer([convs[c].texts[k] for c, k in todo], add_special_tokens=False)["input_ids"] if todo else []
-    out: list[list[list[int]]] = [[[] for _ in p.texts] for p in convs]
     for (c, k), ids in zip(todo, done):
         out[c][k] = ids
-    return out
+    return [[ids or [] for ids in conv] for conv in out]
 
 
-def _assemble(pieces: _Pieces, piece_ids: list[list[int]], *, max_length: int, supervise_end: bool,
+def _assemble(piece_ids: list[list[int]], *, max_length: int, supervise_end: bool,
               id: str) -> tuple[TokenizedSample | None, bool]:
     """(sample, truncated): answers supervised, contexts not, except the first token after an
     answer (its end-of-turn) when `supervise_end`."""
@@ -173,7 +175,6 @@ def _assemble(pieces: _Pieces, piece_ids: list[list[int]], *, max_length: int, s
     mask: list[int] = []
     for k, toks in enumerate(piece_ids):
         if k % 2:  # an answer
-            toks = pieces.own_ids if pieces.own_ids is not None and k == len(piece_ids) - 2 else toks
             m = [1] * len(toks)
         else:
             m = [0] * len(toks)
@@ -212,7 +213,7 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
                 info = [generation.get(c.id, (None, None)) for c in block]
                 pieces = [_pieces(tokenizer, c.messages, thinking=thinking, answer_ids=ids) for c, (_, ids) in zip(block, info)]
                 for conv, (finish, _), p, piece_ids in zip(block, info, pieces, _encode_pieces(tokenizer, pieces)):
-                    sample, truncated = _assemble(p, piece_ids, max_length=max_length, supervise_end=finish != "length",
+                    sample, truncated = _assemble(piece_ids, max_length=max_length, supervise_end=finish != "length",
                                                   id=conv.id)
                     if sample is None:
                         stats.dropped_unsupervised += 1
