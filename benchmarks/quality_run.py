@@ -223,18 +223,17 @@ def main() -> None:
     cfg.train.time_budget_s = max(30.0, a.budget_s - clock.elapsed())
     run_dir = train(cfg, target=target, samples=samples, probes=probes)
     clock.lap("train")
-    best = run_dir / "best"
-    if not (run_dir / "best.json").is_file():  # fewer than 5 samples: no held-out split to pick a best by
+    picked = (run_dir / "best.json").is_file()  # not with fewer than 5 samples: no held-out split to pick by
+    best = run_dir / ("best" if picked else "final")
+    if not picked:
         logging.warning("%s: no held-out split (fewer than 5 samples), so no best/: the final weights stand in", run_dir)
-        best = run_dir / "final"
     if a.export_parts:
         split_drafter(best, a.export_parts)
         clock.lap("export")
 
     steps = json.loads((run_dir / "latest.json").read_text())["step"]
     result["train"] = {"steps": steps, "time_budget_s": cfg.train.time_budget_s,
-                       **(json.loads((run_dir / "best.json").read_text()) if best.name == "best"
-                          else {"tau_sim": None, "step": steps})}
+                       **(json.loads((run_dir / "best.json").read_text()) if picked else {"tau_sim": None, "step": steps})}
     if a.export_parts:
         result["export"] = {"dir": a.export_parts, "files": sorted(f.name for f in Path(a.export_parts).iterdir())}
     if a.no_eval:
