@@ -166,3 +166,14 @@ def test_tokenize_file(tok, tmp_path):
     out.write_text('{"id": "x", "input_ids": [1, 2], "loss_mask": [1]}\n')
     with pytest.raises(ValueError, match=f"{out}:1: input_ids has 2 entries"):
         load_tokenized(out)
+
+
+def test_tokenize_file_refuses_to_write_nothing(tok, tmp_path):
+    """A prompt file tokenised by mistake (no answers) fails here, naming the file, and leaves no
+    output: an empty file would only fail later, in training."""
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps({"id": str(i), "messages": CHAT[:1]}) for i in range(3)) + "\n")
+    out = tmp_path / "tok.jsonl"
+    with pytest.raises(ValueError, match=rf"{src}: none of its 3 conversations.*3 end without an assistant answer"):
+        tokenize_file(src, tok, out, max_length=512)
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))

@@ -758,7 +758,8 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     if samples is None:
         samples, feature_layer_ids = load_training_data(cfg.data, target, dtype)
     if len(samples) < 2:
-        raise ValueError(f"train: {len(samples)} training sequence(s); need at least 2")
+        source = cfg.data.features or cfg.data.tokenized
+        raise ValueError(f"train: {source + ': ' if source else ''}{len(samples)} training sequence(s); need at least 2")
 
     resume_dir = find_resume(out_dir, resume)
     if resume_dir is not None:

@@ -204,11 +204,14 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out.parent, out.name)  # left by a killed run
     tmp = temp_path(out)
+    unanswered = 0
     try:
         with open(tmp, "w", encoding="utf-8") as f, tqdm(total=len(convs), desc="tokenize", unit="conv", disable=None) as bar:
             for start in range(0, len(convs), ENCODE_BATCH):
                 block = convs[start:start + ENCODE_BATCH]
-                stats.dropped_unsupervised += sum(c.messages[-1]["role"] != "assistant" for c in block)
+                answered = sum(c.messages[-1]["role"] == "assistant" for c in block)
+                unanswered += len(block) - answered
+                stats.dropped_unsupervised += len(block) - answered
                 block = [c for c in block if c.messages[-1]["role"] == "assistant"]
                 info = [generation.get(c.id, (None, None)) for c in block]
                 pieces = [_pieces(tokenizer, c.messages, thinking=thinking, answer_ids=ids) for c, (_, ids) in zip(block, info)]
@@ -226,6 +229,12 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
                     # vars, not asdict: asdict deep-copies every id list (40 % of this loop on a CPU)
                     f.write(json.dumps(vars(sample), separators=(",", ":")) + "\n")
                 bar.update(min(ENCODE_BATCH, len(convs) - start))
+        if convs and not stats.written:  # an empty output would only fail later, in training, far from its cause
+            why = (f"{unanswered} end without an assistant answer (tokenize the output of `dflashkit regenerate`, "
+                   "not the prompts); " if unanswered else "")
+            raise ValueError(f"{regenerated_jsonl}: none of its {len(convs)} conversations gives a training sample: "
+                             f"{why}{stats.dropped_unsupervised - unanswered} have fewer than two consecutive "
+                             f"supervised tokens within max_length={max_length}")
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
