@@ -20,6 +20,17 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
+def budget_list(text: str) -> list[int]:
+    """argparse type of `--budgets 8,16,32`: DDTree node budgets, each >= 1."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated node budgets such as 8,16,64, got {text!r}") from None
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"node budgets must be integers >= 1, got {text!r}")
+    return budgets
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

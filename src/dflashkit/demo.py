@@ -87,7 +87,7 @@ def _mmss(s: float) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import add_config_options, budget_list
 
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); re-runs reuse it")
     p.add_argument("--train-prompts", type=int, help="prompts of the demo's domain the target answers (CPU 80, GPU 2200)")
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-minutes", type=float, help="fine-tuning wall clock instead of a step count (GPU 3)")
     p.add_argument("--suite-prompts", type=int, help="prompts per evaluation suite (CPU 2, GPU each suite's count)")
     p.add_argument("--suite-tokens", type=int, help="answer tokens per suite prompt (CPU 64, GPU each suite's length)")
-    p.add_argument("--budgets", help="DDTree node budgets, comma list (CPU 64, GPU 8,16,32,64)")
+    p.add_argument("--budgets", type=budget_list, help="DDTree node budgets, comma list (CPU 64, GPU 8,16,32,64)")
     add_config_options(p)
 
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.train_minutes is not None:
         plan.train_steps = None
     if args.budgets:
-        plan.budgets = [int(b) for b in args.budgets.split(",")]
+        plan.budgets = args.budgets
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(out / "logs" / "demo.log")

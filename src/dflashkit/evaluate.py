@@ -840,14 +840,15 @@ ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import add_config_options, budget_list
 
     p.add_argument("--drafter", action="append", default=[], metavar="[NAME=]DIR",
                    help="reference-format drafter directory (ours or published); repeat to compare several")
     p.add_argument("--features", metavar="DIR", help="offline mode: a feature cache (`dflashkit extract`); no target layers run")
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="report directory (default runs/eval)")
     p.add_argument("--methods", default="dflash,ddtree", help="comma list of dflash, ddtree (default both)")
-    p.add_argument("--budgets", default=None, help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
+    p.add_argument("--budgets", default=None, type=budget_list,
+                   help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
     p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k: the node budget)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite or of --prompts (online), or samples (offline)")
     p.add_argument("--heldout", action="store_true", help="offline mode: only the held-out split that `train` "
@@ -906,9 +907,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("offline evaluation replays the cached data greedily; ignoring %s", ", ".join(given))
     paths = parse_drafters(args.drafter)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else list(ec.ddtree_budgets)
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"--budgets: node budgets must be >= 1, got {budgets}")
+    budgets = args.budgets or list(ec.ddtree_budgets)
     top_k = args.top_k if args.top_k is not None else ec.ddtree_top_k
     if top_k is not None and top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {top_k}")
