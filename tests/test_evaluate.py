@@ -306,6 +306,54 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
     assert tau_sim_vs_online(rep) == {"d": {"a": {"tau_sim": 2.0, "tau": tau_a, "rel_diff": pytest.approx(2.0 / tau_a - 1)}}}
 
 
+
+def test_a_stopped_suite_evaluation_resumes_from_its_finished_suites(tmp_path, monkeypatch):
+    """Each finished suite is saved; a rerun with reuse evaluates only the suites not finished and
+    reports the same τ as an uninterrupted run. A saved suite whose drafter weights or settings
+    differ is evaluated again."""
+    import dflashkit.evaluate as ev
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    suites = [(Suite("a", 2, 12, ""), _tiny_prompts(2, 0)), (Suite("b", 3, 20, ""), _tiny_prompts(3, 1))]
+    kw = dict(methods=["dflash", "ddtree"], budgets=[4], top_k=2, engine="hf")
+    whole = evaluate_suites(target, {"d": drafter}, suites, **kw)
+
+    real, calls = ev.evaluate_online, []
+
+    def counted(target, drafters, prompts, **kw):
+        calls.append(len(prompts))
+        if stop_at == len(calls):
+            raise KeyboardInterrupt
+        return real(target, drafters, prompts, **kw)
+
+    monkeypatch.setattr(ev, "evaluate_online", counted)
+    keep = tmp_path / "suites"
+    stop_at = 2  # stopped in suite b
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_suites(target, {"d": drafter}, suites, keep=keep, **kw)
+    assert sorted(f.name for f in keep.iterdir()) == ["a.json"]
+    stop_at, calls = 0, []
+    resumed = evaluate_suites(target, {"d": drafter}, suites, keep=keep, reuse=True, **kw)
+    assert calls == [3]  # suite b only
+    assert list(resumed["drafters"]["d"]["methods"]) == ["dflash", "ddtree-4"]  # the order given, not sorted
+    for lab in ("dflash", "ddtree-4"):
+        assert resumed["headline"]["d"][lab]["mean_tau"] == whole["headline"]["d"][lab]["mean_tau"]
+        assert resumed["drafters"]["d"]["methods"][lab]["hist"] == whole["drafters"]["d"]["methods"][lab]["hist"]
+    assert [r["tau"] for r in resumed["per_prompt"]] == [r["tau"] for r in whole["per_prompt"]]
+
+    calls = []
+    evaluate_suites(target, {"d": drafter}, suites, keep=keep, reuse=True, **{**kw, "budgets": [3]})
+    assert calls == [2, 3]  # other settings
+    with torch.no_grad():
+        next(drafter.parameters()).add_(1e-3)
+    calls = []
+    evaluate_suites(target, {"d": drafter}, suites, keep=keep, reuse=True, **{**kw, "budgets": [3]})
+    assert calls == [2, 3]  # other weights
+    calls = []
+    evaluate_suites(target, {"d": drafter}, suites, keep=keep, **{**kw, "budgets": [3]})
+    assert calls == [2, 3]  # not asked to reuse
+
 def test_bootstrap_intervals_measure_the_spread_over_prompts():
     """A suite whose prompts all reach the same τ has no spread; one whose prompts differ has an
     interval around its pooled τ (tokens / rounds), wider with fewer prompts; the worst/best ratio

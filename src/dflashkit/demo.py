@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
         suites = [(replace(s, max_new_tokens=plan.suite_tokens or s.max_new_tokens),
                    eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
-        rep = evaluate_suites(target, drafters, suites, stop_ids=stops, **methods)
+        rep = evaluate_suites(target, drafters, suites, stop_ids=stops, keep=report_dir / "suites", reuse=True, **methods)
         rep.update(demo_settings=settings, target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M:%S"))
         return rep
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -525,17 +526,62 @@ def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "per_prompt": [row for p in parts for row in p["per_prompt"]]}
 
 
+def suite_fingerprint(target: Target, drafters: dict[str, DFlashDrafter], suite: Any, prompts: Sequence[Prompt],
+                      kw: dict[str, Any]) -> str:
+    """What a suite's result depends on: the target (name, dtype, device), the drafters' names and
+    weights, the suite's prompts and answer length, and every decoding setting."""
+    h = hashlib.sha256()
+    for name, d in drafters.items():
+        h.update(name.encode())
+        for key, t in sorted(d.state_dict().items()):
+            h.update(key.encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for pr in prompts:
+        h.update(pr.id.encode())
+        h.update(pr.ids.cpu().numpy().tobytes())
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else target.device.type
+    settings = {"target": target.name, "dtype": str(target.dtype), "device": device, "suite": suite.name,
+                "max_new_tokens": suite.max_new_tokens,
+                **{k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in kw.items()}}
+    h.update(json.dumps(settings, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
+
+
 def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: Sequence[tuple[Any, Sequence[Prompt]]],
-                    **kw: Any) -> dict[str, Any]:
+                    *, keep: Path | None = None, reuse: bool = False, **kw: Any) -> dict[str, Any]:
     """`evaluate_online` per suite ((Suite, prompts) pairs: each with its own answer length), then
     the suites side by side: per drafter and method the τ and speed-up of each suite, their mean
     (the headline: every suite weighs the same, whatever its prompt count) and the worst suite.
-    The pooled report over all prompts keeps the single-set fields (histograms, plots)."""
+    The pooled report over all prompts keeps the single-set fields (histograms, plots).
+
+    keep: a directory where each finished suite's report is saved (`SUITE.json`, atomically), so
+    that a stopped evaluation loses at most the suite it was in; reuse: take a saved suite instead
+    of evaluating it again when its fingerprint (`suite_fingerprint`) matches."""
+    from dflashkit.checkpoint import atomic_write_bytes
+
     parts, table = [], {}
     for suite, prompts in suites:
-        rep = evaluate_online(target, drafters, prompts, max_new_tokens=suite.max_new_tokens, **kw)
-        for row in rep["per_prompt"]:
-            row["suite"] = suite.name
+        saved = keep / f"{suite.name}.json" if keep is not None else None
+        key = suite_fingerprint(target, drafters, suite, prompts, kw) if saved else None
+        rep = None
+        if reuse and saved is not None and saved.is_file():
+            try:
+                old = json.loads(saved.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{saved}: unreadable saved suite ({e}); delete it to evaluate the suite again") from None
+            if old.get("fingerprint") == key:
+                rep = old["report"]
+                log.info("suite %s: reusing the result saved in %s", suite.name, saved)
+            else:
+                log.info("suite %s: %s was saved with other drafters, prompts or settings; evaluating again",
+                         suite.name, saved)
+        if rep is None:
+            rep = evaluate_online(target, drafters, prompts, max_new_tokens=suite.max_new_tokens, **kw)
+            for row in rep["per_prompt"]:
+                row["suite"] = suite.name
+            if saved is not None:  # key order kept: the report lists drafters and methods as given
+                keep.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(saved, json.dumps({"fingerprint": key, "report": rep}).encode())
         parts.append(rep)
         table[suite.name] = {"prompts": rep["prompts"], "max_new_tokens": suite.max_new_tokens,
                              "baseline_tokens_per_s": rep["baseline"]["tokens_per_s"],
@@ -865,6 +911,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
     g.add_argument("--cost-aware", action="store_true", help="also run every method cost-aware ('+cost' rows): "
                    "the draft prefix verified each round is chosen from the measured verification cost")
+    g.add_argument("--resume", action="store_true", help="suites: reuse those an earlier run of the same command "
+                   "finished (saved in OUT/suites/, used only where drafters, prompts and settings match)")
     add_config_options(p)
 
 
@@ -954,12 +1002,17 @@ def run(args: argparse.Namespace) -> int:
                   cost_aware=args.cost_aware,
                   stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
         if convs is not None:
+            if args.resume:
+                log.warning("--resume reuses finished suites; an evaluation of --prompts runs whole")
             prompts = eval_prompts(convs, target.tokenizer, thinking=cfg.data.thinking)
             report = evaluate_online(target, drafters, prompts, max_new_tokens=max_new, **kw)
             settings.update(prompts=source, max_new_tokens=max_new)
         else:
+            keep = Path(args.out) / "suites"
+            log.info("each finished suite is saved in %s; after a stop, the same command with --resume continues", keep)
             report = evaluate_suites(target, drafters, [
-                (s, eval_prompts(load_suite(s.name, limit), target.tokenizer, thinking=cfg.data.thinking)) for s in suites], **kw)
+                (s, eval_prompts(load_suite(s.name, limit), target.tokenizer, thinking=cfg.data.thinking)) for s in suites],
+                keep=keep, reuse=args.resume, **kw)
             settings.update(suites=[s.name for s in suites], limit=limit)
         settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
     report.update(training_tau_sim(paths))
