@@ -402,9 +402,10 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
                     top_k: int | None = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
                     stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
-                    cost_aware: bool = False) -> dict[str, Any]:
+                    cost_aware: bool = False, desc: str = "online eval") -> dict[str, Any]:
     """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind.
-    cost_aware: each speculative method also runs cost-aware (label suffix '+cost')."""
+    cost_aware: each speculative method also runs cost-aware (label suffix '+cost'); desc: the
+    progress bar's label."""
     sampling = sampling or Sampling()
     greedy = sampling.temperature == 0
     labels = method_labels(methods, budgets)
@@ -421,7 +422,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         warm_up([base_engine, *engines.values()], labels, [pr.ids for pr in prompts],
                 dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=sampling, stop_ids=stop_ids))
     per_prompt = []
-    for i, pr in enumerate(tqdm(prompts, desc="online eval", unit="prompt", disable=None)):
+    for i, pr in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=None)):
         samp = Sampling(sampling.temperature, sampling.top_p, None if sampling.seed is None else sampling.seed + i)
         kw = dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=samp, stop_ids=stop_ids,
                   record_top=TOP_RECORDED if greedy else 0)
@@ -576,7 +577,8 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
                 log.info("suite %s: %s was saved with other drafters, prompts or settings; evaluating again",
                          suite.name, saved)
         if rep is None:
-            rep = evaluate_online(target, drafters, prompts, max_new_tokens=suite.max_new_tokens, **kw)
+            rep = evaluate_online(target, drafters, prompts, max_new_tokens=suite.max_new_tokens,
+                                  desc=f"suite {len(parts) + 1}/{len(suites)} {suite.name}", **kw)
             for row in rep["per_prompt"]:
                 row["suite"] = suite.name
             if saved is not None:  # key order kept: the report lists drafters and methods as given
