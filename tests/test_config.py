@@ -61,6 +61,16 @@ def test_cli_config_prints_and_fails_cleanly(capsys):
     assert "train.lr" in err and "Traceback" not in err
 
 
+def test_cli_version_names_the_stack(capsys):
+    import torch
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit, match="0"):
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"dflashkit {version('dflashkit')} (torch {torch.__version__}, transformers ")
+
+
 @pytest.mark.parametrize("override,match", [
     ("train.max_steps=true", r"field 'train.max_steps'.*not a boolean"),
     ("train.lr=.inf", r"field 'train.lr'.*finite number"),

@@ -57,6 +57,18 @@ def expected_errors() -> tuple[type[BaseException], ...]:
             SafetensorError)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"dflashkit {of('dflashkit')} (torch {of('torch')}, transformers {of('transformers')})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv  # accepted anywhere on the line
@@ -66,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Train, evaluate and serve DFlash block-diffusion drafters for speculative decoding.",
         epilog="Run `dflashkit COMMAND --help` for a command's options.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-V", "--version", action="version", version=_version(),
+                        help="dflashkit's version and the torch and transformers it runs on")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
