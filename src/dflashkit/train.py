@@ -822,9 +822,10 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     batcher = Batcher(samples, feature_layer_ids, target, dcfg, tc, cfg.data.max_length, device, dtype)
     metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
     if d.main:
-        log.info("training %s: %d steps of %d sequences (%d train, %d held out), %s attention, %s, %d process(es) %s",
+        procs = "1 process" if d.world == 1 else f"{d.world} processes ({trainer.parallel.upper()})"
+        log.info("training %s: %d steps of %d sequences (%d train, %d held out), %s attention, %s, %s",
                  f"{dcfg.num_hidden_layers}-layer drafter", total, tc.batch_size, len(train_idx), len(eval_idx),
-                 backend, str(dtype).removeprefix("torch."), d.world, trainer.parallel)
+                 backend, str(dtype).removeprefix("torch."), procs)
 
     def checkpoint(step: int) -> None:
         full = trainer.state_dict()
