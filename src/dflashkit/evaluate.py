@@ -568,7 +568,9 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
         if reuse and saved is not None and saved.is_file():
             try:
                 old = json.loads(saved.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                if not isinstance(old, dict) or not isinstance(old.get("report"), dict):
+                    raise ValueError("expected {fingerprint, report}")
+            except (ValueError, UnicodeDecodeError) as e:
                 raise ValueError(f"{saved}: unreadable saved suite ({e}); delete it to evaluate the suite again") from None
             if old.get("fingerprint") == key:
                 rep = old["report"]
