@@ -63,8 +63,14 @@ def test_two_gloo_processes_match_one_and_resume_onto_fsdp(tmp_path):
     assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
     # DDP, two ranks, same global batch of 4 (2 per rank, micro-batches of 1: accumulation differs too);
     # then FSDP2, two ranks, resumed from the single-process checkpoint of step 2.
+    # Then DDP again, SIGTERM reaching rank 1 alone, inside step 3 (no checkpoint is due there): both
+    # ranks stop after that step with one checkpoint, and a resume ends as the uninterrupted run.
+    stopped = tmp_path / "stopped"
     _spawn(2, [(str(tmp_path / "ddp"), [], None),
-               (str(tmp_path / "fsdp"), ["train.parallel=fsdp"], str(one / "checkpoints" / "step-00000002"))])
+               (str(tmp_path / "fsdp"), ["train.parallel=fsdp"], str(one / "checkpoints" / "step-00000002")),
+               (str(stopped), [], None, {1: 3}), (str(stopped), [], True)])
+    assert [json.loads((stopped / f"stopped-rank{r}.json").read_text()) for r in (0, 1)] == [{"step": 3}] * 2
+    assert losses(stopped) == pytest.approx(ref, rel=1e-5)
     assert losses(tmp_path / "ddp") == pytest.approx(ref, rel=1e-5)
     assert losses(tmp_path / "ddp", "eval", "tau_sim") == pytest.approx(losses(one, "eval", "tau_sim"), rel=1e-6)
     got = losses(tmp_path / "fsdp")
@@ -118,6 +124,43 @@ def test_kill9_then_resume_gives_the_same_losses(tmp_path):
     a, b = load_drafter(ref_dir / "final"), load_drafter(out / "final")
     for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_gives_the_same_losses(tmp_path):
+    """A pre-empted job (SIGTERM, here sent from inside step 3, so not timed) saves the step it was
+    in, though no checkpoint was due, and stops; `--resume` then ends as an uninterrupted run."""
+    from dflashkit.train import TrainingStopped
+
+    steps = ["train.max_steps=6", "train.save_every=4"]
+    ref_dir = tmp_path / "ref"
+    run_job(str(ref_dir), steps)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "stopped"
+    with pytest.raises(TrainingStopped, match="stopped by SIGTERM after step 3.*--resume") as e:
+        run_job(str(out), steps, signal_at=3)
+    assert e.value.exit_code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # the usual handlers are back
+    assert json.loads((out / "latest.json").read_text())["step"] == 3 and not (out / "final").exists()
+    run_job(str(out), steps, resume=True)
+    assert losses(out) == pytest.approx(losses(ref_dir), rel=1e-6)  # nothing lost, nothing logged twice
+
+
+def test_cli_train_stopped_by_a_signal_exits_128_plus_its_number(tiny_cli_data, tmp_path, capsys, monkeypatch):
+    from dflashkit import train as train_mod
+
+    real = train_mod.Trainer.step
+
+    def step(self, *a, **k):
+        out = real(self, *a, **k)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C inside step 1
+        return out
+
+    monkeypatch.setattr(train_mod.Trainer, "step", step)
+    target, data = tiny_cli_data
+    rc = _train_cli(target, data, tmp_path / "run", "train.max_steps=4", "train.save_every=100")
+    err = capsys.readouterr().err
+    assert rc == 130 and "stopped by SIGINT after step 1" in err and "Traceback" not in err, err
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 1
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,31 +37,45 @@ def tiny_samples(n: int = 24, seed: int = 0) -> list[TokenizedSample]:
 
 
 def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None = None, sleep: float = 0.0,
-            samples: list | None = ..., overwrite: bool = False) -> Path:
-    """`samples=None`: read them from the config's data section (e.g. data.features)."""
+            samples: list | None = ..., overwrite: bool = False, signal_at: int | None = None) -> Path:
+    """`samples=None`: read them from the config's data section (e.g. data.features).
+    signal_at: this process sends itself SIGTERM inside its Nth training step of this run."""
     from dflashkit import train as train_mod
 
     torch.set_num_threads(1)
-    if sleep:  # slow each step down so that a test can kill the job mid-run (numerics unchanged)
-        real = train_mod.Trainer.step
+    real, steps = train_mod.Trainer.step, []
 
-        def slow(self, *a, **k):
+    def step(self, *a, **k):
+        if sleep:  # slow each step down so that a test can kill the job mid-run (numerics unchanged)
             time.sleep(sleep)
-            return real(self, *a, **k)
+        out = real(self, *a, **k)
+        steps.append(1)
+        if len(steps) == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
 
-        train_mod.Trainer.step = slow
-    cfg = load_config(None, [*BASE, f"train.output_dir={out_dir}", *overrides])
-    samples = tiny_samples() if samples is ... else samples
-    return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume, overwrite=overwrite)
+    train_mod.Trainer.step = step
+    try:
+        cfg = load_config(None, [*BASE, f"train.output_dir={out_dir}", *overrides])
+        samples = tiny_samples() if samples is ... else samples
+        return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume, overwrite=overwrite)
+    finally:
+        train_mod.Trainer.step = real
 
 
-def spawn_rank(rank: int, world: int, port: int, jobs: list[tuple[str, list[str], bool | str | None]]) -> None:
-    """One gloo rank running `jobs` (out_dir, overrides, resume) one after the other."""
+def spawn_rank(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
+    """One gloo rank running `jobs` (out_dir, overrides, resume[, {rank: step to signal itself at}])
+    one after the other. A job that a signal stops leaves `stopped-rank<R>.json` ({"step": N})."""
+    from dflashkit.train import TrainingStopped
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
-        for out_dir, overrides, resume in jobs:
-            run_job(out_dir, overrides, resume)
+        for out_dir, overrides, resume, *signals in jobs:
+            try:
+                run_job(out_dir, overrides, resume, signal_at=signals[0].get(rank) if signals else None)
+            except TrainingStopped as e:
+                (Path(out_dir) / f"stopped-rank{rank}.json").write_text(json.dumps({"step": e.step}))
     finally:
         import torch.distributed as dist
 

@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflashkit {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if isinstance(getattr(e, "exit_code", None), int):  # a job that a signal stopped after saving its work
+            print(f"dflashkit {args.command}: {e}", file=sys.stderr)
+            return e.exit_code
         if debug:
             raise
         if isinstance(e, expected_errors()):

@@ -32,7 +32,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import statistics
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -538,6 +540,60 @@ class DivergedError(RuntimeError):
     """The loss or the weights became non-finite; nothing of that step was saved."""
 
 
+class TrainingStopped(Exception):
+    """SIGTERM or SIGINT stopped training after a step, whose checkpoint was saved. `exit_code` is
+    128 + the signal's number, as a shell reports a process that the signal ended."""
+
+    def __init__(self, step: int, signum: int, out_dir: Path) -> None:
+        self.step, self.exit_code = step, 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}, whose checkpoint is saved "
+                         f"in {out_dir}; continue with `dflashkit train --resume` and the same config")
+
+
+@contextmanager
+def stop_signals() -> Iterator[list[int]]:
+    """SIGTERM (a scheduler pre-empting the job, `kill`) or SIGINT (Ctrl-C) asks training to stop at
+    the end of the current step, with a checkpoint, rather than lose the steps since the last one.
+    The first signal puts the usual handlers back, so that a second one stops the process at once.
+    Yields a list that holds the signal's number once one has come."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield got
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: Any) -> None:
+        got.append(signum)
+        for s, h in before.items():
+            signal.signal(s, h)
+        log.warning("%s: stopping after this step with a checkpoint (send it again to stop at once)",
+                    signal.Signals(signum).name)
+
+    for s in before:
+        signal.signal(s, handler)
+    try:
+        yield got
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def _rank_tensor(n: int) -> Tensor:
+    """A one-element tensor where this process group's collectives run (NCCL: the GPU)."""
+    return torch.tensor([n], device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+
+
+def stop_requested(got: list[int], d: Dist) -> int:
+    """The signal that asks to stop (0: none), agreed by all ranks: a signal reaches each rank at
+    its own moment, and they must stop after the same step to save one checkpoint together."""
+    n = got[0] if got else 0
+    if d.world > 1:
+        t = _rank_tensor(n)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n = int(t)
+    return n
+
+
 @contextmanager
 def run_directory(out_dir: Path, *, resume: bool, overwrite: bool, main: bool) -> Iterator[None]:
     """Hold `<output_dir>/.lock` for the run (a second run into the directory fails at once), clean
@@ -719,7 +775,7 @@ def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int
     if tc.max_steps:
         n = min(n, tc.max_steps)
     if d.world > 1:
-        t = torch.tensor([n], device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+        t = _rank_tensor(n)
         dist.broadcast(t, 0)
         n = int(t)
     return max(done, n)
@@ -740,12 +796,14 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
     t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
     d = init_distributed(want.type == "cuda")
-    with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=overwrite, main=d.main):
-        return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume, probes or {})
+    with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=overwrite, main=d.main), \
+            stop_signals() as stop:
+        return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume, probes or {}, stop)
 
 
 def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, samples: Sequence[Any] | None,
-           feature_layer_ids: list[int] | None, resume: bool | str | None, probes: dict[str, Sequence[Any]]) -> Path:
+           feature_layer_ids: list[int] | None, resume: bool | str | None, probes: dict[str, Sequence[Any]],
+           stop: list[int]) -> Path:
     tc = cfg.train
     device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
     out_dir = Path(tc.output_dir)
@@ -910,8 +968,18 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
             t_eval = time.perf_counter()
             evaluate(done)
             eval_s.append(time.perf_counter() - t_eval)
-        if done % tc.save_every == 0 or done == total:
+        saved = done % tc.save_every == 0 or done == total
+        if saved:
             checkpoint(done)
+        signum = stop_requested(stop, d)
+        if signum and done < total:
+            if not saved:
+                checkpoint(done)
+            bar.close()
+            metrics.close()
+            if d.world > 1:
+                dist.barrier()  # every rank leaves once rank 0 has written the checkpoint
+            raise TrainingStopped(done, signum, out_dir)
     bar.close()
     if start < total or not (out_dir / "final").exists():
         params = trainer.full_params()
