@@ -254,7 +254,7 @@ def _tiny_prompts(n: int, seed: int) -> list[Prompt]:
     return [Prompt(f"p{seed}-{i}", torch.randint(3, 120, (1, 6 + i), generator=g)) for i in range(n)]
 
 
-def test_evaluate_suites_side_by_side_mean_and_worst():
+def test_evaluate_suites_side_by_side_mean_and_worst(tmp_path):
     """Each suite decodes to its own answer length; the headline is the unweighted mean over suites
     and the worst suite; the pooled report sums rounds and tokens. float32: no parting at all."""
     target = make_tiny_target()
@@ -273,6 +273,8 @@ def test_evaluate_suites_side_by_side_mean_and_worst():
         pooled = rep["drafters"]["d"]["methods"][lab]
         assert pooled["rounds"] == per["a"]["rounds"] + per["b"]["rounds"] and sum(pooled["hist"]) == pooled["rounds"]
         assert pooled["identical"] is True and pooled["unexplained_partings"] == []
+    files = [f.name for f in write_report(rep, tmp_path)]
+    assert "suites.png" in files and (tmp_path / "suites.png").stat().st_size > 0
     assert rep["baseline"]["tokens"] == 2 * 12 + 3 * 20
     for lab in ("dflash", "ddtree-4"):  # each suite's spread over its prompts, from the per-prompt rounds
         for s in "ab":

@@ -718,7 +718,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}")
     lines += ["", *method_table(report)]
     lines += ["", "τ = accepted draft tokens + 1 per round (the final round of an answer counts tokens up to its end). "
-              "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png."]
+              "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png"
+              + (", suites.png (τ per suite)." if report.get("headline") else ".")]
     if online and report["greedy"]:
         lines += ["", f"Greedy outputs are compared with autoregressive decoding token by token. Where one parts, the "
                   f"target's top logits at that position, as recorded by the two passes that chose the two tokens "
@@ -863,11 +864,41 @@ def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
+    if report.get("headline"):
+        files.append(suite_plot(report, out_dir / "suites.png", plt))
     return files
 
 
+def suite_plot(report: dict[str, Any], path: Path, plt: Any) -> Path:
+    """τ per suite and the mean over suites, a bar per drafter and method, with its 90 % interval
+    over prompts where the report has one: the suites side by side at a glance."""
+    names = [*report["suites"], "mean"]
+    series = [(name, lab, h) for name, methods in report["headline"].items() for lab, h in methods.items()]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, lab, h) in enumerate(series):
+        per = [report["suites"][s]["drafters"][name][lab] for s in names[:-1]]
+        taus = [m["tau"] for m in per] + [h["mean_tau"]]
+        spans = [m.get("tau_interval") for m in per] + [h.get("mean_tau_interval")]
+        err = None
+        if all(sp is not None and all(math.isfinite(v) for v in sp) for sp in spans):
+            # (the interval pools per-prompt τ rounded to 3 decimals: it may miss the point by a hair)
+            err = [[max(0.0, t - lo) for t, (lo, _) in zip(taus, spans)], [max(0.0, hi - t) for t, (_, hi) in zip(taus, spans)]]
+        ax.bar([k + (i - (len(series) - 1) / 2) * width for k in range(len(names))], taus, width=width, yerr=err,
+               capsize=2, label=f"{name}/{lab}")
+    ax.axvline(len(names) - 1.5, color="grey", lw=0.8, ls=":")
+    ax.set_xticks(range(len(names)), [f"{s}\n({report['suites'][s]['prompts']})" for s in names[:-1]] + ["mean"])
+    ax.set(ylabel="τ (tokens per round)", title="acceptance length per suite (90 % intervals over prompts)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """report.json, report.md, tau_hist.png, slot_acceptance.png (each written atomically)."""
+    """report.json, report.md, tau_hist.png, slot_acceptance.png, and suites.png for a suite
+    report (each written atomically)."""
     from dflashkit.checkpoint import atomic_write_bytes, atomic_write_json
 
     out = Path(out_dir)
