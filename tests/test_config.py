@@ -61,6 +61,19 @@ def test_cli_config_prints_and_fails_cleanly(capsys):
     assert "train.lr" in err and "Traceback" not in err
 
 
+def test_config_dump_with_comments_reads_back(tmp_path):
+    """`dflashkit config > my.yaml` gives a config that documents itself and loads as it was."""
+    from dflashkit.config import dump_config, load_config
+
+    cfg = load_config(None, ["train.output_dir=runs/a #1", "drafter.target_layer_ids=[1,2,3,4,5]",
+                             "eval.ddtree_budgets=[16]", "train.lr=3e-4"])
+    text = dump_config(cfg, comments=True)
+    assert "  loss: ce  # values: ce, kl, dpace" in text.splitlines()
+    assert "  batch_size: 16  # sequences per optimiser step (global)" in text.splitlines()
+    (tmp_path / "c.yaml").write_text(text)
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
 def test_cli_version_names_the_stack(capsys):
     import torch
     from importlib.metadata import version
@@ -101,7 +114,7 @@ def test_cli_error_boundary(tmp_path, capsys, monkeypatch):
     assert main(["config", "--config", str(f)]) == 1
     assert f"{f}: not a text file" in capsys.readouterr().err
     # An unexpected exception is a bug: one line saying so, the traceback behind --debug.
-    monkeypatch.setattr("dflashkit.config.dump_config", lambda cfg: {}["boom"])
+    monkeypatch.setattr("dflashkit.config.dump_config", lambda cfg, **kw: {}["boom"])
     assert main(["config"]) == 2
     err = capsys.readouterr().err
     assert "internal error: KeyError: 'boom'" in err and "--debug" in err and "Traceback" not in err

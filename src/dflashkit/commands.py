@@ -12,6 +12,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     """`--config FILE` plus trailing `section.field=value` overrides, shared by config-driven commands."""
     p.add_argument("--config", metavar="FILE", help="YAML config (sections: target, drafter, data, train, eval)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="override a config field")
+    p.epilog = p.epilog or "Every config field with its default and meaning: `dflashkit config` (> my.yaml to start one)."
 
 
 def config_from_args(args: argparse.Namespace):
@@ -38,13 +39,14 @@ def resolve_device(device: str) -> str:
 
 
 def config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plain", action="store_true", help="the YAML alone, without each field's meaning as a comment")
     add_config_options(p)
 
 
 def run_config(args: argparse.Namespace) -> int:
     from dflashkit.config import dump_config
 
-    print(dump_config(config_from_args(args)), end="")
+    print(dump_config(config_from_args(args), comments=not args.plain), end="")
     return 0
 
 

@@ -8,7 +8,7 @@ A wrong field gives one line naming it and what was expected.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
@@ -210,5 +210,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(_format(e, source if not overrides else f"{source} + overrides")) from None
 
 
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+def _choices(annotation: Any) -> list[str]:
+    """The values a Literal field (possibly optional) takes."""
+    if get_origin(annotation) is Literal:
+        return [str(a) for a in get_args(annotation)]
+    return [c for a in get_args(annotation) for c in _choices(a)]
+
+
+def dump_config(cfg: Config, comments: bool = False) -> str:
+    """The config as YAML that `load_config` reads back; `comments`: each field's meaning (and a
+    Literal field's choices) as a comment on its line."""
+    if not comments:
+        return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+    lines = []
+    for section, info in Config.model_fields.items():
+        lines.append(f"{section}:")
+        sub = getattr(cfg, section)
+        for name, field in type(sub).model_fields.items():
+            value = getattr(sub, name)
+            line = (f"{name}: " + yaml.safe_dump(value, default_flow_style=True).strip() if isinstance(value, list)
+                    else yaml.safe_dump({name: value}).strip())
+            note = [field.description] if field.description else []
+            if choices := _choices(field.annotation):
+                note.append("values: " + ", ".join(choices))
+            lines.append(f"  {line}" + (f"  # {'; '.join(note)}" if note else ""))
+    return "\n".join(lines) + "\n"
