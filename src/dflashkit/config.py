@@ -43,13 +43,14 @@ class TargetConfig(_Section):
 
 
 class DrafterSettings(_Section):
-    num_layers: Int = Field(5, ge=1)
-    num_taps: Int = Field(5, ge=1)
+    num_layers: Int = Field(5, ge=1, description="drafter decoder layers")
+    num_taps: Int = Field(5, ge=1, description="target layers whose hidden states feed the drafter")
     target_layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="None = the default formula (docs/conventions.md, Layer taps)")
-    block_size: Int = Field(16, ge=2)
+    block_size: Int = Field(16, ge=2, description="tokens per block: the bonus token + block_size - 1 drafted")
     mask_token_id: Int | None = Field(None, ge=0, description="None = the default rule (spare row / mask / unused special)")
-    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
-    sliding_window: Int | None = Field(None, ge=1)
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="per drafter layer; None = all full attention")
+    sliding_window: Int | None = Field(None, ge=1, description="context positions a sliding layer sees")
     intermediate_size: Int | None = Field(None, ge=1, description="the MLP width; None = the target's (3x hidden "
                                           "for a mixture-of-experts target, which has no dense width)")
     init_from: str | None = Field(None, description="start from this reference-format drafter directory")
@@ -73,30 +74,31 @@ class DataConfig(_Section):
     prompts: str = Field("builtin", description="'builtin' (2,200 prompts), 'builtin:N' (N of the same "
                          "generator), 'self:N' (N written by the target), 'humaneval', a JSONL/JSON/Parquet "
                          "file, a datasets name, or several joined by '+' (self:16000+builtin:8000)")
-    limit: Int | None = Field(None, ge=1)
+    limit: Int | None = Field(None, ge=1, description="use at most this many prompts / samples")
     regenerated: str | None = Field(None, description="JSONL of target-written answers (output of `regenerate`)")
     tokenized: str | None = Field(None, description="JSONL of token ids + loss masks (output of `tokenize`)")
     features: str | None = Field(None, description="feature cache dir (output of `extract`); None = online")
-    feature_dtype: Literal["bfloat16", "float16", "float32", "fp8"] = "bfloat16"
-    max_length: Int = Field(2048, ge=8)
-    max_new_tokens: Int = Field(512, ge=1)
-    temperature: Float = Field(0.0, ge=0.0)
+    feature_dtype: Literal["bfloat16", "float16", "float32", "fp8"] = Field(
+        "bfloat16", description="how `extract` stores features (fp8: e4m3 with a float32 scale per token and tap)")
+    max_length: Int = Field(2048, ge=8, description="tokens per training sequence (longer ones are cut)")
+    max_new_tokens: Int = Field(512, ge=1, description="answer length `regenerate` allows")
+    temperature: Float = Field(0.0, ge=0.0, description="`regenerate` sampling; 0 = greedy, what greedy serving accepts")
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     thinking: Bool = Field(False, description="passed to the chat template as enable_thinking")
-    batch_size: Int = Field(8, ge=1)
+    batch_size: Int = Field(8, ge=1, description="`regenerate` (local) and self:N: rows decoded together")
     seed: Seed = Field(0, description="sampling seed of `regenerate` when temperature > 0, and of "
                       "the prompts 'self:N' writes")
 
 
 class TrainConfig(_Section):
-    output_dir: str = "runs/train"
-    lr: Float = Field(6e-4, gt=0)
+    output_dir: str = Field("runs/train", description="checkpoints, best/, final/, metrics.jsonl, curves.png")
+    lr: Float = Field(6e-4, gt=0, description="AdamW peak learning rate (fine-tuning: ~2e-4)")
     weight_decay: Float = Field(0.0, ge=0)
-    warmup_ratio: Float = Field(0.04, ge=0, lt=1)
-    grad_clip: Float = Field(1.0, gt=0)
+    warmup_ratio: Float = Field(0.04, ge=0, lt=1, description="share of steps of linear warm-up, then cosine to 0")
+    grad_clip: Float = Field(1.0, gt=0, description="gradient-norm clip")
     batch_size: Int = Field(16, ge=1, description="sequences per optimiser step (global)")
     micro_batch_size: Int = Field(1, ge=1, description="sequences per forward pass and process")
-    epochs: Float = Field(1.0, gt=0)
+    epochs: Float = Field(1.0, gt=0, description="passes over the training split")
     max_steps: Int | None = Field(None, ge=1, description="overrides epochs")
     probes: str | None = Field(None, description="prompts whose answers by the target training replays decoding "
                                "rounds on, never trained on (needs online features): 'suites' (the evaluation "
@@ -105,27 +107,27 @@ class TrainConfig(_Section):
     time_budget_s: Float | None = Field(None, gt=0, description="wall-clock budget from the start of `train`; "
                                         "overrides epochs (max_steps still caps): the schedule is fitted to the "
                                         "steps that fit, timed over the first steps")
-    anchors_per_seq: Int = Field(512, ge=1)
-    loss: Literal["ce", "kl", "dpace"] = "ce"
+    anchors_per_seq: Int = Field(512, ge=1, description="blocks trained per sequence (anchors drawn without replacement)")
+    loss: Literal["ce", "kl", "dpace"] = Field("ce", description="ce: the recipe (hard labels, slot decay gamma)")
     gamma: Float | None = Field(None, gt=0, description="slot decay; None = 7 (B=16), 5 (B=10), 4 (B=8)")
     kl_weight: Float = Field(1.0, ge=0, le=1, description="share of KL in the 'kl' loss; rest is hard CE")
     kl_temperature: Float = Field(1.0, gt=0)
     dpace_alpha: Float = Field(0.5, gt=0, le=1, description="confidence smoothing of the 'dpace' loss")
     feature_noise: Float = Field(0.0, ge=0, description="std of Gaussian noise on fc inputs only")
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    attention: Literal["auto", "sdpa", "flex"] = Field("auto", description="auto: flex on GPU, sdpa on CPU")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU")
     compile: Bool | None = Field(None, description="torch.compile the drafter layers; None = on CUDA")
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="under torchrun: DDP (auto) or FSDP2")
-    eval_every: Int = Field(200, ge=1)
+    eval_every: Int = Field(200, ge=1, description="steps between held-out tau_sim evaluations (and best/ updates)")
     eval_samples: Int = Field(64, ge=1, description="held-out sequences for the tau_sim evaluation")
     eval_anchors_per_seq: Int = Field(512, ge=1, description="anchors per held-out sequence for tau_sim (default: "
                                       "about every answer position), apart from training's: a few random anchors "
                                       "make tau_sim too noisy to pick the best step by")
-    save_every: Int = Field(500, ge=1)
+    save_every: Int = Field(500, ge=1, description="steps between resumable checkpoints (also saved at the end and on SIGTERM)")
     keep_last: Int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
     seed: Seed = 0
-    log_every: Int = Field(10, ge=1)
-    tensorboard: Bool = True
+    log_every: Int = Field(10, ge=1, description="steps between metrics.jsonl records")
+    tensorboard: Bool = Field(True, description="TensorBoard events in output_dir/tb")
     wandb_project: str | None = Field(None, description="log to Weights & Biases too (needs `wandb` installed)")
 
 
@@ -137,7 +139,7 @@ class EvalConfig(_Section):
     max_new_tokens: Int = Field(128, ge=1, description="answer length for `prompts` (each suite has its own)")
     temperature: Float = Field(0.0, ge=0.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
-    ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64])
+    ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64], description="DDTree node budgets evaluated")
     ddtree_top_k: Int | None = Field(TOP_K, ge=1, description="DDTree's candidates per slot (None: the node budget)")
     seed: Seed = 0
 
