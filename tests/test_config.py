@@ -68,7 +68,7 @@ def test_config_dump_with_comments_reads_back(tmp_path):
     cfg = load_config(None, ["train.output_dir=runs/a #1", "drafter.target_layer_ids=[1,2,3,4,5]",
                              "eval.ddtree_budgets=[16]", "train.lr=3e-4"])
     text = dump_config(cfg, comments=True)
-    assert "  loss: ce  # values: ce, kl, dpace" in text.splitlines()
+    assert "  loss: ce  # ce: the recipe (hard labels, slot decay gamma); values: ce, kl, dpace" in text.splitlines()
     assert "  batch_size: 16  # sequences per optimiser step (global)" in text.splitlines()
     (tmp_path / "c.yaml").write_text(text)
     assert load_config(tmp_path / "c.yaml") == cfg
