@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.evaluate import (check_partings, eval_prompts, evaluate_offline, evaluate_suites, heldout_items,
                                     markdown, training_tau_sim, write_report)
     from dflashkit.target import load_target
-    from dflashkit.train import train
+    from dflashkit.train import TrainingStopped, train
     from dflashkit.vocab import stop_token_ids
 
     cfg = config_from_args(args)
@@ -198,7 +198,11 @@ def run(args: argparse.Namespace) -> int:
             log.info("reusing the drafter adapted by an earlier run: %s", run_dir / "final")
             return run_dir
         # overwrite: an interrupted earlier demo run left no final drafter; it restarts from scratch.
-        return train(tcfg, target=target, samples=cache, feature_layer_ids=layer_ids, overwrite=True)
+        try:
+            return train(tcfg, target=target, samples=cache, feature_layer_ids=layer_ids, overwrite=True)
+        except TrainingStopped as e:
+            raise TrainingStopped(e.step, e.signum, e.out_dir, "`dflashkit demo` again reuses the stages before "
+                                  "this one and adapts the drafter afresh") from None
 
     stages.run("adapt", adapt)
     # best by tau_sim on the held-out split; the bundled drafter itself (step 0) is a candidate

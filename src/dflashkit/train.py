@@ -544,10 +544,11 @@ class TrainingStopped(Exception):
     """SIGTERM or SIGINT stopped training after a step, whose checkpoint was saved. `exit_code` is
     128 + the signal's number, as a shell reports a process that the signal ended."""
 
-    def __init__(self, step: int, signum: int, out_dir: Path) -> None:
-        self.step, self.exit_code = step, 128 + signum
+    def __init__(self, step: int, signum: int, out_dir: Path,
+                 then: str = "continue with `dflashkit train --resume` and the same config") -> None:
+        self.step, self.signum, self.out_dir, self.exit_code = step, signum, out_dir, 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}, whose checkpoint is saved "
-                         f"in {out_dir}; continue with `dflashkit train --resume` and the same config")
+                         f"in {out_dir}; {then}")
 
 
 @contextmanager
