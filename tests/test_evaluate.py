@@ -337,7 +337,8 @@ def test_a_stopped_suite_evaluation_resumes_from_its_finished_suites(tmp_path, m
     assert sorted(f.name for f in keep.iterdir()) == ["a.json"]
     stop_at, calls = 0, []
     resumed = evaluate_suites(target, {"d": drafter}, suites, keep=keep, reuse=True, **kw)
-    assert calls == [3]  # suite b only
+    assert calls == [3] and resumed["reused_suites"] == ["a"]  # suite b only
+    assert "reused_suites" not in whole
     assert list(resumed["drafters"]["d"]["methods"]) == ["dflash", "ddtree-4"]  # the order given, not sorted
     for lab in ("dflash", "ddtree-4"):
         assert resumed["headline"]["d"][lab]["mean_tau"] == whole["headline"]["d"][lab]["mean_tau"]

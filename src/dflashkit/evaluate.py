@@ -560,7 +560,7 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
     of evaluating it again when its fingerprint (`suite_fingerprint`) matches."""
     from dflashkit.checkpoint import atomic_write_bytes
 
-    parts, table = [], {}
+    parts, table, reused = [], {}, []
     for suite, prompts in suites:
         saved = keep / f"{suite.name}.json" if keep is not None else None
         key = suite_fingerprint(target, drafters, suite, prompts, kw) if saved else None
@@ -574,6 +574,7 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
                 raise ValueError(f"{saved}: unreadable saved suite ({e}); delete it to evaluate the suite again") from None
             if old.get("fingerprint") == key:
                 rep = old["report"]
+                reused.append(suite.name)
                 log.info("suite %s: reusing the result saved in %s", suite.name, saved)
             else:
                 log.info("suite %s: %s was saved with other drafters, prompts or settings; evaluating again",
@@ -611,6 +612,8 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
                 table[s]["drafters"][name][lab]["tau_interval"] = spread[s]
             headline[name][lab].update(mean_tau_interval=spread["mean"], worst_to_best_interval=spread["worst_to_best"])
     report.update(suites=table, headline=headline)
+    if reused:  # their timings come from the earlier run that saved them
+        report["reused_suites"] = reused
     report["differences"] = paired_differences(report, list(table))
     return report
 
@@ -705,6 +708,9 @@ def markdown(report: dict[str, Any]) -> str:
     for k in ("date", "target", "device", "settings"):
         if k in report:
             lines.append(f"- {k}: `{json.dumps(report[k]) if isinstance(report[k], dict) else report[k]}`")
+    if report.get("reused_suites"):
+        lines.append(f"- suites taken from an earlier run of the same evaluation (`--resume`): "
+                     f"{', '.join(report['reused_suites'])}")
     if "heldout" in report:
         h = report["heldout"]
         lines += ["", f"## Held-out split of the training domain ({h['samples']} samples, {h['answer_tokens']} answer "
