@@ -145,6 +145,21 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_gives_the_sam
     assert losses(out) == pytest.approx(losses(ref_dir), rel=1e-6)  # nothing lost, nothing logged twice
 
 
+def test_a_signal_while_the_data_loads_stops_before_the_first_step(tmp_path, monkeypatch):
+    from dflashkit import train as train_mod
+
+    real = train_mod.Batcher.__init__
+
+    def init(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(train_mod.Batcher, "__init__", init)
+    with pytest.raises(train_mod.TrainingStopped, match="SIGTERM before its first step") as e:
+        run_job(str(tmp_path / "run"), ["train.max_steps=6"])
+    assert e.value.step == 0 and not (tmp_path / "run" / "latest.json").exists()
+
+
 def test_cli_train_stopped_by_a_signal_exits_128_plus_its_number(tiny_cli_data, tmp_path, capsys, monkeypatch):
     from dflashkit import train as train_mod
 

@@ -547,8 +547,9 @@ class TrainingStopped(Exception):
     def __init__(self, step: int, signum: int, out_dir: Path,
                  then: str = "continue with `dflashkit train --resume` and the same config") -> None:
         self.step, self.signum, self.out_dir, self.exit_code = step, signum, out_dir, 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}, whose checkpoint is saved "
-                         f"in {out_dir}; {then}")
+        where = (f"after step {step}, whose checkpoint is saved in {out_dir}" if step else
+                 "before its first step (nothing to save)")
+        super().__init__(f"stopped by {signal.Signals(signum).name} {where}; {then}")
 
 
 @contextmanager
@@ -930,8 +931,17 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     fit_from = start + 2 if tc.time_budget_s and start == 0 else None
     step_s: list[float] = []  # seconds per training step, evaluations and saves apart
     eval_s: list[float] = []
-    step = start
+    step = saved_at = start
     while step < total:
+        # Asked before each step, so that a signal that came while the data loaded stops before the first.
+        if signum := stop_requested(stop, d):
+            if step > saved_at:
+                checkpoint(step)
+            bar.close()
+            metrics.close()
+            if d.world > 1:
+                dist.barrier()  # every rank leaves once rank 0 has written the checkpoint
+            raise TrainingStopped(step, signum, out_dir)
         t_step = time.perf_counter()
         groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, train_idx, tc.seed)
         stats = trainer.step((batcher.build(g) for g in groups), len(groups))
@@ -969,18 +979,9 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
             t_eval = time.perf_counter()
             evaluate(done)
             eval_s.append(time.perf_counter() - t_eval)
-        saved = done % tc.save_every == 0 or done == total
-        if saved:
+        if done % tc.save_every == 0 or done == total:
             checkpoint(done)
-        signum = stop_requested(stop, d)
-        if signum and done < total:
-            if not saved:
-                checkpoint(done)
-            bar.close()
-            metrics.close()
-            if d.world > 1:
-                dist.barrier()  # every rank leaves once rank 0 has written the checkpoint
-            raise TrainingStopped(done, signum, out_dir)
+            saved_at = done
     bar.close()
     if start < total or not (out_dir / "final").exists():
         params = trainer.full_params()
