@@ -548,6 +548,23 @@ def suite_fingerprint(target: Target, drafters: dict[str, DFlashDrafter], suite:
     return h.hexdigest()
 
 
+def saved_suite(path: Path, key: str) -> dict[str, Any] | None:
+    """The suite report saved at `path` if its fingerprint is `key`, else None."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+        if not isinstance(old, dict) or not isinstance(old.get("report"), dict):
+            raise ValueError("expected {fingerprint, report}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable saved suite ({e}); delete it to evaluate the suite again") from None
+    if old.get("fingerprint") != key:
+        log.info("%s was saved with other drafters, prompts or settings; evaluating the suite again", path)
+        return None
+    log.info("reusing the suite saved in %s", path)
+    return old["report"]
+
+
 def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: Sequence[tuple[Any, Sequence[Prompt]]],
                     *, keep: Path | None = None, reuse: bool = False, **kw: Any) -> dict[str, Any]:
     """`evaluate_online` per suite ((Suite, prompts) pairs: each with its own answer length), then
@@ -563,23 +580,11 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
     parts, table, reused = [], {}, []
     for suite, prompts in suites:
         saved = keep / f"{suite.name}.json" if keep is not None else None
-        key = suite_fingerprint(target, drafters, suite, prompts, kw) if saved else None
-        rep = None
-        if reuse and saved is not None and saved.is_file():
-            try:
-                old = json.loads(saved.read_text())
-                if not isinstance(old, dict) or not isinstance(old.get("report"), dict):
-                    raise ValueError("expected {fingerprint, report}")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"{saved}: unreadable saved suite ({e}); delete it to evaluate the suite again") from None
-            if old.get("fingerprint") == key:
-                rep = old["report"]
-                reused.append(suite.name)
-                log.info("suite %s: reusing the result saved in %s", suite.name, saved)
-            else:
-                log.info("suite %s: %s was saved with other drafters, prompts or settings; evaluating again",
-                         suite.name, saved)
-        if rep is None:
+        key = suite_fingerprint(target, drafters, suite, prompts, kw) if saved is not None else None
+        rep = saved_suite(saved, key) if reuse and saved is not None else None
+        if rep is not None:
+            reused.append(suite.name)
+        else:
             rep = evaluate_online(target, drafters, prompts, max_new_tokens=suite.max_new_tokens,
                                   desc=f"suite {len(parts) + 1}/{len(suites)} {suite.name}", **kw)
             for row in rep["per_prompt"]:
