@@ -411,6 +411,26 @@ def test_classify_parting_near_tie_and_real_error():
     assert not classify_parting(ar, ver, ar_token=3, spec_token=7, dtype=torch.float32)["numerical"]
 
 
+def test_where_parted_finds_the_first_differing_token():
+    from types import SimpleNamespace as G
+
+    from dflashkit.evaluate import where_parted
+
+    ids = torch.tensor([[5, 6]])
+    tie = ([3, 7], [20.0, 19.875])  # one bf16 step apart: a near-tie in both passes
+    ar = G(tokens=[1, 3, 4], top=[([1], [9.0]), tie, ([4], [9.0])])
+    spec = G(tokens=[1, 7, 4], top=[([1], [9.0]), ([7, 3], [20.0, 19.875]), ([4], [9.0])])
+    asked = []
+    got = where_parted(ar, spec, ids, torch.bfloat16, lambda x: asked.append(x))
+    assert got["position"] == 1 and got["numerical"] and asked == []  # a tie needs no float32 arbiter
+    far = G(tokens=[1, 7, 4], top=[([1], [9.0]), ([7, 3], [20.0, 12.0]), ([4], [9.0])])
+    got = where_parted(ar, far, ids, torch.bfloat16, lambda x: asked.append(x))
+    assert got["position"] == 1 and not got["numerical"] and asked == [[5, 6, 1]]  # float32 asked at the parting
+    short = G(tokens=[1, 3], top=ar.top[:2])
+    assert where_parted(ar, short, ids, torch.bfloat16, lambda x: None) == {
+        "position": 2, "numerical": False, "reason": "one output is a prefix of the other"}
+
+
 def test_float32_arbitrates_partings_beyond_the_ulp_bound():
     """Both passes a few tenths from float32 on every recorded token: a parting whose two tokens
     float32 puts 0.25 apart is numerical though 9 bf16 steps separate them in one pass; a

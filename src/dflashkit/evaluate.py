@@ -359,6 +359,24 @@ def exact_logits(target: Target) -> Callable[[list[int]], Tensor | None]:
     return logits
 
 
+def where_parted(ar: Any, spec: Any, prompt_ids: Tensor, dtype: torch.dtype,
+                 exact: Callable[[list[int]], Tensor | None]) -> dict[str, Any]:
+    """Where a greedy speculative output (`spec`) parts from the autoregressive one (`ar`), and
+    whether that is a numerical near-tie (`classify_parting`; beyond its bound in bf16/fp16,
+    `arbitrate_parting` against float32 logits from `exact`)."""
+    k = next((k for k, (a, b) in enumerate(zip(spec.tokens, ar.tokens)) if a != b), None)
+    if k is None:  # one output a prefix of the other: no token choice to explain
+        return {"position": min(len(spec.tokens), len(ar.tokens)), "numerical": False,
+                "reason": "one output is a prefix of the other"}
+    parting = classify_parting(ar.top[k], spec.top[k], ar.tokens[k], spec.tokens[k], dtype)
+    if not parting["numerical"] and dtype != torch.float32:
+        logits = exact(prompt_ids[0].tolist() + ar.tokens[:k])
+        if logits is not None:
+            parting["float32"] = arbitrate_parting(parting, ar.top[k], spec.top[k], logits)
+            parting["numerical"] = parting["float32"]["numerical"]
+    return {"position": k, **parting}
+
+
 def _prompt_label(row: dict[str, Any]) -> str:
     """'suite/prompt' of a per_prompt row ('prompt' outside suites)."""
     return f"{row.get('suite', '') and row['suite'] + '/'}{row['id']}"
@@ -442,18 +460,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                 r["decode_seconds"] += g.decode_seconds
                 if greedy and g.tokens != ar.tokens:
                     r["mismatches"].append(pr.id)
-                    k = next((k for k, (a, b) in enumerate(zip(g.tokens, ar.tokens)) if a != b), None)
-                    if k is None:  # one output a prefix of the other: no token choice to explain
-                        parting = {"numerical": False, "reason": "one output is a prefix of the other"}
-                        k = min(len(g.tokens), len(ar.tokens))
-                    else:
-                        parting = classify_parting(ar.top[k], g.top[k], ar.tokens[k], g.tokens[k], target.dtype)
-                        if not parting["numerical"] and target.dtype != torch.float32:
-                            exact = exact_fp32(pr.ids[0].tolist() + ar.tokens[:k])
-                            if exact is not None:
-                                parting["float32"] = arbitrate_parting(parting, ar.top[k], g.top[k], exact)
-                                parting["numerical"] = parting["float32"]["numerical"]
-                    row.setdefault("partings", {})[f"{name}/{lab}"] = {"position": k, **parting}
+                    parting = where_parted(ar, g, pr.ids, target.dtype, exact_fp32)
+                    row.setdefault("partings", {})[f"{name}/{lab}"] = parting
                     if not parting["numerical"]:
                         r["unexplained"].append(pr.id)
                 row["tau"][f"{name}/{lab}"] = round(g.tau, 3)
