@@ -18,9 +18,10 @@ import torch
 import torch.multiprocessing as mp
 
 from dflashkit.checkpoint import load_drafter, load_training_state
+from dflashkit.config import load_config
 from dflashkit.drafter import default_target_layer_ids
 from dflashkit.train import Dist, lr_factor, step_items
-from train_job import losses, run_job, spawn_rank
+from train_job import BASE, losses, run_job, spawn_rank
 
 HERE = Path(__file__).parent
 
@@ -134,6 +135,9 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_gives_the_sam
     steps = ["train.max_steps=6", "train.save_every=4"]
     ref_dir = tmp_path / "ref"
     run_job(str(ref_dir), steps)
+    # the run directory records the effective config, which loads back as the one run
+    assert load_config(ref_dir / "config.yaml") == load_config(None, [*BASE, f"train.output_dir={ref_dir}", *steps])
+    assert (ref_dir / "config.yaml").read_text().startswith("# dflashkit ")
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "stopped"
     with pytest.raises(TrainingStopped, match="stopped by SIGTERM after step 3.*--resume") as e:

@@ -15,6 +15,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from dflashkit import versions
+
 # command -> (module, one-line help). Order follows the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dflashkit.demo", "the main job on the embedded SmolLM2 default: regenerate, extract, train, evaluate, report"),
@@ -57,18 +59,6 @@ def expected_errors() -> tuple[type[BaseException], ...]:
             SafetensorError)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(package: str) -> str:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return f"dflashkit {of('dflashkit')} (torch {of('torch')}, transformers {of('transformers')})"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv  # accepted anywhere on the line
@@ -78,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Train, evaluate and serve DFlash block-diffusion drafters for speculative decoding.",
         epilog="Run `dflashkit COMMAND --help` for a command's options.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("-V", "--version", action="version", version=_version(),
+    parser.add_argument("-V", "--version", action="version", version=versions(),
                         help="dflashkit's version and the torch and transformers it runs on")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

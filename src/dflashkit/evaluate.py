@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from dflashkit import versions
 from dflashkit.decode.engine import padded
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
@@ -718,7 +719,7 @@ def method_table(report: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     online = report["mode"] == "online"
     lines = [f"# dflashkit eval ({report['mode']})", ""]
-    for k in ("date", "target", "device", "settings"):
+    for k in ("date", "versions", "target", "device", "settings"):
         if k in report:
             lines.append(f"- {k}: `{json.dumps(report[k]) if isinstance(report[k], dict) else report[k]}`")
     if report.get("reused_suites"):
@@ -1070,7 +1071,8 @@ def run(args: argparse.Namespace) -> int:
             settings.update(suites=[s.name for s in suites], limit=limit)
         settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
     report.update(training_tau_sim(paths))
-    report.update(date=time.strftime("%Y-%m-%d %H:%M"), target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
+    report.update(date=time.strftime("%Y-%m-%d %H:%M"), versions=versions(),
+                  target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
                   device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
                   drafter_paths={n: str(p) for n, p in paths.items()})
     files = write_report(report, args.out)

@@ -48,6 +48,8 @@ from torch import Tensor
 
 from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
                                   load_training_state, remove_stale_temp_files, save_drafter, target_problems)
+from dflashkit import versions
+from dflashkit.config import dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
                                  check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
@@ -533,7 +535,7 @@ def _step_of(path: Path) -> int | None:
 # ---- the run directory -----------------------------------------------------------------------
 
 # What a run writes in its output directory; a fresh run refuses a directory holding any of them.
-RUN_FILES = ("latest.json", "best.json", "metrics.jsonl", "curves.png", "checkpoints", "best", "final", "tb")
+RUN_FILES = ("config.yaml", "latest.json", "best.json", "metrics.jsonl", "curves.png", "checkpoints", "best", "final", "tb")
 
 
 class DivergedError(RuntimeError):
@@ -882,6 +884,9 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     batcher = Batcher(samples, feature_layer_ids, target, dcfg, tc, cfg.data.max_length, device, dtype)
     metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
     if d.main:
+        # The effective config, overrides applied: `dflashkit train --config` on it repeats the run.
+        atomic_write_bytes(out_dir / "config.yaml", (f"# {versions()}, {time.strftime('%Y-%m-%d %H:%M')}\n"
+                                                     + dump_config(cfg, comments=True)).encode())
         procs = "1 process" if d.world == 1 else f"{d.world} processes ({trainer.parallel.upper()})"
         log.info("training %s: %d steps of %d sequences (%d train, %d held out), %s attention, %s, %s",
                  f"{dcfg.num_hidden_layers}-layer drafter", total, tc.batch_size, len(train_idx), len(eval_idx),
