@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import json
 import sys
 import time
@@ -575,8 +576,8 @@ def main() -> int:
                 print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
             if args.kernels and "error" not in r:
-                r["kernels"] = kernel_table(lambda: generate(eng, ids, max_new_tokens=n, method=method, budget=budget, top_k=args.top_k),
-                                            device, args.kernels)
+                r["kernels"] = kernel_table(functools.partial(generate, eng, ids, max_new_tokens=n, method=method, budget=budget,
+                                                              top_k=args.top_k), device, args.kernels)
             if name != "hf" and budget == budgets[-1] and "error" not in r and not hybrid:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)
                 print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
