@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
@@ -50,7 +51,8 @@ def random_samples(seed: int, n: int = 8) -> list[TokenizedSample]:
             for i in range(n)]
 
 
-def test_finetune_workflow_tiny(tmp_path, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_finetune_workflow_tiny(tmp_path):
     """Two suites of the target's own greedy answers; training starts from a saved drafter; the
     held-out split holds both suites, best.json has τ_sim per suite, and the adapted drafter beats
     the starting one on the held-out split (decoding rounds replayed offline)."""
@@ -78,7 +80,8 @@ def test_finetune_workflow_tiny(tmp_path, one_thread):
     assert tau["after"] > tau["before"] + 0.3, tau
 
 
-def test_the_starting_drafter_is_a_candidate_for_best(tmp_path, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_the_starting_drafter_is_a_candidate_for_best(tmp_path):
     """Fine-tuning that never improves held-out τ_sim leaves best/ = the starting drafter (step 0),
     never a worse one."""
     target = make_tiny_target()
@@ -106,7 +109,8 @@ def test_a_grown_drafter_drafts_as_the_one_it_grew_from(smollm2):
     assert max(runs[0].accept_lengths) > 1  # rounds that the drafter shaped, not τ = 1 throughout
 
 
-def test_grow_layers_trains_the_new_layers(tmp_path, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_grow_layers_trains_the_new_layers(tmp_path):
     """drafter.grow_layers: training starts from the loaded drafter with more layers, whose zero
     output projections learn; the saved drafter has the grown shape."""
     target = make_tiny_target()

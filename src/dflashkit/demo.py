@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.evaluate import (check_partings, eval_prompts, evaluate_offline, evaluate_suites, heldout_items,
                                     markdown, training_tau_sim, write_report)
     from dflashkit.target import load_target
+    from dflashkit import versions
     from dflashkit.train import TrainingStopped, train
     from dflashkit.vocab import stop_token_ids
 
@@ -233,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         suites = [(replace(s, max_new_tokens=plan.suite_tokens or s.max_new_tokens),
                    eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
         rep = evaluate_suites(target, drafters, suites, stop_ids=stops, keep=report_dir / "suites", reuse=True, **methods)
-        rep.update(demo_settings=settings, target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        rep.update(demo_settings=settings, target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   versions=versions())
         return rep
 
     report = stages.run("evaluate suites", evaluate)

@@ -723,7 +723,7 @@ def markdown(report: dict[str, Any]) -> str:
         if k in report:
             lines.append(f"- {k}: `{json.dumps(report[k]) if isinstance(report[k], dict) else report[k]}`")
     if report.get("reused_suites"):
-        lines.append(f"- suites taken from an earlier run of the same evaluation (`--resume`): "
+        lines.append(f"- suites reused from an earlier run of the same evaluation (timings are that run's): "
                      f"{', '.join(report['reused_suites'])}")
     if "heldout" in report:
         h = report["heldout"]
