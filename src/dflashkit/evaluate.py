@@ -539,7 +539,8 @@ def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def suite_fingerprint(target: Target, drafters: dict[str, DFlashDrafter], suite: Any, prompts: Sequence[Prompt],
                       kw: dict[str, Any]) -> str:
     """What a suite's result depends on: the target (name, dtype, device), the drafters' names and
-    weights, the suite's prompts and answer length, and every decoding setting."""
+    weights, the suite's prompts and answer length, every decoding setting, and the versions of
+    dflashkit, torch and transformers."""
     h = hashlib.sha256()
     for name, d in drafters.items():
         h.update(name.encode())
@@ -550,7 +551,7 @@ def suite_fingerprint(target: Target, drafters: dict[str, DFlashDrafter], suite:
         h.update(pr.id.encode())
         h.update(pr.ids.cpu().numpy().tobytes())
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else target.device.type
-    settings = {"target": target.name, "dtype": str(target.dtype), "device": device, "suite": suite.name,
+    settings = {"versions": versions(), "target": target.name, "dtype": str(target.dtype), "device": device, "suite": suite.name,
                 "max_new_tokens": suite.max_new_tokens,
                 **{k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in kw.items()}}
     h.update(json.dumps(settings, sort_keys=True, default=repr).encode())
