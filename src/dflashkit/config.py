@@ -123,7 +123,7 @@ class TrainConfig(_Section):
     eval_anchors_per_seq: Int = Field(512, ge=1, description="anchors per held-out sequence for tau_sim (default: "
                                       "about every answer position), apart from training's: a few random anchors "
                                       "make tau_sim too noisy to pick the best step by")
-    save_every: Int = Field(500, ge=1, description="steps between resumable checkpoints (also saved at the end and on SIGTERM)")
+    save_every: Int = Field(500, ge=1, description="steps between resumable checkpoints (also at the end, and on SIGTERM / SIGINT)")
     keep_last: Int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
     seed: Seed = 0
     log_every: Int = Field(10, ge=1, description="steps between metrics.jsonl records")
@@ -225,7 +225,7 @@ def dump_config(cfg: Config, comments: bool = False) -> str:
     if not comments:
         return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
     lines = []
-    for section, info in Config.model_fields.items():
+    for section in Config.model_fields:
         lines.append(f"{section}:")
         sub = getattr(cfg, section)
         for name, field in type(sub).model_fields.items():
