@@ -308,7 +308,6 @@ def test_evaluate_suites_side_by_side_mean_and_worst(tmp_path):
     assert tau_sim_vs_online(rep) == {"d": {"a": {"tau_sim": 2.0, "tau": tau_a, "rel_diff": pytest.approx(2.0 / tau_a - 1)}}}
 
 
-
 def test_a_stopped_suite_evaluation_resumes_from_its_finished_suites(tmp_path, monkeypatch):
     """Each finished suite is saved; a rerun with reuse evaluates only the suites not finished and
     reports the same τ as an uninterrupted run. A saved suite whose drafter weights or settings
@@ -356,6 +355,7 @@ def test_a_stopped_suite_evaluation_resumes_from_its_finished_suites(tmp_path, m
     calls = []
     evaluate_suites(target, {"d": drafter}, suites, keep=keep, **{**kw, "budgets": [3]})
     assert calls == [2, 3]  # not asked to reuse
+
 
 def test_bootstrap_intervals_measure_the_spread_over_prompts():
     """A suite whose prompts all reach the same τ has no spread; one whose prompts differ has an
