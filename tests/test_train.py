@@ -141,11 +141,11 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_gives_the_sam
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "stopped"
     with pytest.raises(TrainingStopped, match="stopped by SIGTERM after step 3.*--resume") as e:
-        run_job(str(out), steps, signal_at=3)
+        run_job(str(out), steps, signal_at=3, auto_resume=True)  # nothing to resume yet: a fresh start
     assert e.value.exit_code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before  # the usual handlers are back
     assert json.loads((out / "latest.json").read_text())["step"] == 3 and not (out / "final").exists()
-    run_job(str(out), steps, resume=True)
+    run_job(str(out), steps, auto_resume=True)  # the same command again: it resumes
     assert losses(out) == pytest.approx(losses(ref_dir), rel=1e-6)  # nothing lost, nothing logged twice
 
 
@@ -162,6 +162,13 @@ def test_a_signal_while_the_data_loads_stops_before_the_first_step(tmp_path, mon
     with pytest.raises(train_mod.TrainingStopped, match="SIGTERM before its first step") as e:
         run_job(str(tmp_path / "run"), ["train.max_steps=6"])
     assert e.value.step == 0 and not (tmp_path / "run" / "latest.json").exists()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="holds an earlier run"):  # its config.yaml, but no checkpoint
+        run_job(str(tmp_path / "run"), ["train.max_steps=6"])
+    run_job(str(tmp_path / "run"), ["train.max_steps=6"], auto_resume=True)  # no checkpoint: afresh
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="--auto-resume decides"):
+        run_job(str(tmp_path / "run"), ["train.max_steps=6"], resume=True, auto_resume=True)
 
 
 def test_cli_train_stopped_by_a_signal_exits_128_plus_its_number(tiny_cli_data, tmp_path, capsys, monkeypatch):

@@ -37,7 +37,8 @@ def tiny_samples(n: int = 24, seed: int = 0) -> list[TokenizedSample]:
 
 
 def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None = None, sleep: float = 0.0,
-            samples: list | None = ..., overwrite: bool = False, signal_at: int | None = None) -> Path:
+            samples: list | None = ..., overwrite: bool = False, signal_at: int | None = None,
+            auto_resume: bool = False) -> Path:
     """`samples=None`: read them from the config's data section (e.g. data.features).
     signal_at: this process sends itself SIGTERM inside its Nth training step of this run."""
     from dflashkit import train as train_mod
@@ -58,7 +59,8 @@ def run_job(out_dir: str, overrides: list[str] = (), resume: bool | str | None =
     try:
         cfg = load_config(None, [*BASE, f"train.output_dir={out_dir}", *overrides])
         samples = tiny_samples() if samples is ... else samples
-        return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume, overwrite=overwrite)
+        return train_mod.train(cfg, target=make_tiny_target(), samples=samples, resume=resume, overwrite=overwrite,
+                               auto_resume=auto_resume)
     finally:
         train_mod.Trainer.step = real
 

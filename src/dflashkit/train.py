@@ -787,16 +787,22 @@ def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int
 
 def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
           feature_layer_ids: list[int] | None = None, resume: bool | str | None = None,
-          overwrite: bool = False, probes: dict[str, Sequence[Any]] | None = None) -> Path:
+          overwrite: bool = False, probes: dict[str, Sequence[Any]] | None = None, auto_resume: bool = False) -> Path:
     """Train a drafter as `cfg` says; returns the output directory (holding `final/`, `best/`,
     `checkpoints/`, `metrics.jsonl`, `curves.png`). `target` / `samples` skip loading them.
     The directory belongs to this run (`run_directory`): without `resume`, an earlier run's files
     are an error unless `overwrite`. probes: named sets of `TokenizedSample`s from elsewhere (e.g.
     the target's own answers to the evaluation suites), never trained on and never used to pick
     `best/`: whenever `best/` is saved, decoding rounds are replayed on each (best.json:
-    tau_rounds_probes), with features computed online."""
+    tau_rounds_probes), with features computed online. auto_resume: continue from `latest.json`
+    when there is one, else start afresh (replacing what a run that saved no checkpoint left)."""
     from dflashkit.commands import resolve_device
 
+    if auto_resume:
+        if resume or overwrite:
+            raise ValueError("--auto-resume decides between resuming and starting afresh itself: "
+                             "give it without --resume, --resume-from or --overwrite")
+        resume, overwrite = (True, False) if (Path(cfg.train.output_dir) / "latest.json").is_file() else (None, True)
     t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
     d = init_distributed(want.type == "cuda")
@@ -1012,6 +1018,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this step checkpoint directory")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an output directory that holds an earlier run (its files are removed)")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue from latest.json when the output directory has one, else start afresh: one "
+                        "command for a job that a scheduler may pre-empt and run again")
     add_config_options(p)
 
 
@@ -1019,7 +1028,7 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args
 
     cfg = config_from_args(args)
-    out = train(cfg, resume=args.resume_from or args.resume, overwrite=args.overwrite)
+    out = train(cfg, resume=args.resume_from or args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"drafter: {out / 'final'} (best by tau_sim: {out / 'best'}); curves: {out / 'curves.png'}")
     if dist.is_initialized():
