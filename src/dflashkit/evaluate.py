@@ -536,17 +536,23 @@ def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "per_prompt": [row for p in parts for row in p["per_prompt"]]}
 
 
-def suite_fingerprint(target: Target, drafters: dict[str, DFlashDrafter], suite: Any, prompts: Sequence[Prompt],
-                      kw: dict[str, Any]) -> str:
-    """What a suite's result depends on: the target (name, dtype, device), the drafters' names and
-    weights, the suite's prompts and answer length, every decoding setting, and the versions of
-    dflashkit, torch and transformers."""
+def drafters_digest(drafters: dict[str, DFlashDrafter]) -> str:
+    """SHA-256 of the drafters' names and weights (hashed once per evaluation: a drafter may be GBs)."""
     h = hashlib.sha256()
     for name, d in drafters.items():
         h.update(name.encode())
         for key, t in sorted(d.state_dict().items()):
             h.update(key.encode())
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def suite_fingerprint(target: Target, drafters_sha: str, suite: Any, prompts: Sequence[Prompt],
+                      kw: dict[str, Any]) -> str:
+    """What a suite's result depends on: the target (name, dtype, device), the drafters (their
+    `drafters_digest`), the suite's prompts and answer length, every decoding setting, and the
+    versions of dflashkit, torch and transformers."""
+    h = hashlib.sha256(drafters_sha.encode())
     for pr in prompts:
         h.update(pr.id.encode())
         h.update(pr.ids.cpu().numpy().tobytes())
@@ -588,9 +594,10 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
     from dflashkit.checkpoint import atomic_write_bytes
 
     parts, table, reused = [], {}, []
+    weights_sha = drafters_digest(drafters) if keep is not None else ""
     for suite, prompts in suites:
         saved = keep / f"{suite.name}.json" if keep is not None else None
-        key = suite_fingerprint(target, drafters, suite, prompts, kw) if saved is not None else None
+        key = suite_fingerprint(target, weights_sha, suite, prompts, kw) if saved is not None else None
         rep = saved_suite(saved, key) if reuse and saved is not None else None
         if rep is not None:
             reused.append(suite.name)
