@@ -942,11 +942,11 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     fit_from = start + 2 if tc.time_budget_s and start == 0 else None
     step_s: list[float] = []  # seconds per training step, evaluations and saves apart
     eval_s: list[float] = []
-    step = saved_at = start
+    step = start
     while step < total:
         # Asked before each step, so that a signal that came while the data loaded stops before the first.
         if signum := stop_requested(stop, d):
-            if step > saved_at:
+            if step > start and step % tc.save_every:  # the step just done has no checkpoint yet
                 checkpoint(step)
             bar.close()
             metrics.close()
@@ -992,7 +992,6 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
             eval_s.append(time.perf_counter() - t_eval)
         if done % tc.save_every == 0 or done == total:
             checkpoint(done)
-            saved_at = done
     bar.close()
     if start < total or not (out_dir / "final").exists():
         params = trainer.full_params()
