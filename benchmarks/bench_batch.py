@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from bench_decode import add_baseline_options, apply_baseline_options
+from dflashkit.commands import draft_tokens
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
@@ -144,6 +145,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the bundled SmolLM2 drafter)")
+    p.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N",
+                   help="tokens drafted a round (default: the drafter's block_size - 1)")
     p.add_argument("--json", help="write settings and rows here")
     add_baseline_options(p)
     args = p.parse_args()
@@ -166,7 +169,7 @@ def main() -> None:
     prompts = [pr.ids for pr in eval_prompts(load_prompts("humaneval", limit=args.prompts), target.tokenizer)]
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
 
-    engines = {"ar": make_engine(target, None, args.engine), "spec": make_engine(target, drafter, args.engine)}
+    engines = {"ar": make_engine(target, None, args.engine), "spec": make_engine(target, drafter, args.engine, args.draft_tokens)}
     rows, ar_at = [], {}
     for mode in modes:
         for batch in sizes:
@@ -207,7 +210,7 @@ def main() -> None:
                 "speedup_against_batch": sizes[0], "device": device, "dtype": args.dtype,
                 "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
-                "drafter": str(args.drafter or "bundled smollm2-drafter")}
+                "drafter": str(args.drafter or "bundled smollm2-drafter"), "draft_tokens": engines["spec"].block - 1}
     print(f"\n{settings}\n\n{table(rows)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

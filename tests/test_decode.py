@@ -71,6 +71,7 @@ class Oracle:
     def draft(self, bonus, budget=None, top_k=4, scored=False):
         real = self.engine.draft(bonus).logits
         logits = torch.cat([self.proposers[r](n) for r, n in zip(self.rows, self.engine.cache.lengths_t.tolist())]).to(real)
+        assert logits.shape == real.shape, "the proposals must be as wide as the real drafter's draft"
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
 
 
@@ -202,6 +203,46 @@ def test_greedy_identical_tiny(tiny_target, engine, late, monkeypatch):
         assert g.finish_reason == "length" and 1 + sum(g.accept_lengths) == 30
         for i, g in enumerate(generate_batch(make(), prompts, max_new_tokens=30, method=method, budget=budget)):
             assert g.tokens == refs[i], (method, budget, i)
+
+
+@pytest.mark.parametrize("engine", ["hf", "static", "padded"])
+def test_fewer_draft_tokens_greedy_identical_and_rounds_as_long_as_the_shorter_block(tiny_target, engine):
+    """draft_tokens=4 with a drafter of block 8: every method stays token-identical to the
+    target's greedy output (batch 1 and ragged), and a drafter that is always right (the oracle)
+    has each round accept exactly the shorter block's tokens: the draft holds 4 tokens, not 7."""
+    drafter = make_tiny_drafter(tiny_target)
+    assert drafter.config.block_size == 8
+    prompts = ragged_prompts(2)
+    refs = [greedy_reference(tiny_target, p, 30) for p in prompts]
+
+    def make(d):
+        if engine == "hf":
+            return Engine(tiny_target, d, draft_tokens=4)
+        e = static_engine(tiny_target, d, fuse=False, draft_tokens=4)
+        e.small_pass = 4096 if engine == "padded" else 0  # (as `padded_engine`)
+        return e
+
+    for method, budget in METHODS[1:]:
+        g = generate(make(drafter), prompts[0], max_new_tokens=30, method=method, budget=budget)
+        assert g.tokens == refs[0], (method, budget)
+        assert max(g.accept_lengths) <= 5
+        for i, g in enumerate(generate_batch(make(drafter), prompts, max_new_tokens=30, method=method, budget=budget)):
+            assert g.tokens == refs[i], (method, budget, i)
+    T = prompts[0].shape[1]
+    oracle = Oracle(make(drafter), oracle_proposals(prompts[0][0].tolist() + refs[0], tiny_target.vocab_size, 5, 1))
+    g = generate(oracle, prompts[0], max_new_tokens=30, method="dflash")
+    assert g.tokens == refs[0]
+    assert g.accept_lengths == expected_taus(T, 30, 5, 4)
+
+
+def test_draft_tokens_out_of_range_is_a_clear_error(tiny_target):
+    drafter = make_tiny_drafter(tiny_target)
+    for bad in (0, 8, 2.5, True):
+        with pytest.raises(ValueError, match=r"draft_tokens \(--draft-tokens\): expected an int from 1 to 7"):
+            Engine(tiny_target, drafter, draft_tokens=bad)
+    with pytest.raises(ValueError, match="without a drafter"):
+        static_engine(tiny_target, None, draft_tokens=4)
+    assert Engine(tiny_target, drafter).block == 8 and Engine(tiny_target, drafter, draft_tokens=7).block == 8
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
@@ -641,6 +682,20 @@ def test_smollm2_greedy_identical(smollm2, smol_batch, engine):
 
 
 @pytest.mark.slow
+def test_smollm2_fewer_draft_tokens_greedy_identical(smollm2, smol_batch):
+    """The bundled drafter drafting 7 tokens a round instead of 15 (`draft_tokens`): a ragged
+    batch of 4 equals the target's greedy tokens, rounds accept at most 8 tokens, and the drafter
+    still drafts well (τ > 1.5)."""
+    drafter, prompts, refs = smol_batch
+    for method, budget in [("dflash", None), ("ddtree", 16)]:
+        batch = generate_batch(static_engine(smollm2, drafter, draft_tokens=7), prompts, max_new_tokens=BATCH_NEW,
+                               method=method, budget=budget)
+        assert [g.tokens for g in batch] == refs, method
+        assert max(max(g.accept_lengths) for g in batch) <= 8, method
+        assert min(g.tau for g in batch) > 1.5, method
+
+
+@pytest.mark.slow
 def test_smollm2_batch_sampling_per_row_seeded(smollm2, smol_batch):
     """temperature 0.7, top_p 0.8: a row's draws equal its batch-1 draws with the same seed (so
     they follow the target's own distribution), another batch reproduces the seeded rows, and
@@ -715,6 +770,13 @@ def test_generate_command(smollm2, tmp_path, capsys):
     assert rc == 0 and "tokens in" in out and "tau" in out and "ddtree (budget 8" in out
     assert main(["generate", "--prompt", "x", "--method", "dflash"]) == 1
     assert "needs --drafter" in capsys.readouterr().err
+    rc = main(["generate", "--prompt", "Say hi.", "--drafter", str(tmp_path / "d"), "--draft-tokens", "3",
+               "--max-new-tokens", "6", "target.device=cpu"])
+    assert rc == 0 and "[dflash] 6 tokens in" in capsys.readouterr().out
+    assert main(["generate", "--prompt", "x", "--drafter", str(tmp_path / "d"), "--draft-tokens", "16"]) == 1
+    assert "expected an int from 1 to 15" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--method", "ar", "--draft-tokens", "3"]) == 1
+    assert "--draft-tokens needs a speculative --method" in capsys.readouterr().err
 
 
 @pytest.mark.slow

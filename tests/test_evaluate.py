@@ -229,6 +229,9 @@ def test_eval_cli_argument_errors(tmp_path, capsys):
         with pytest.raises(SystemExit, match="2"):
             main(["eval", "--drafter", str(tmp_path / "ok"), "--budgets", bad])
         assert "argument --budgets: " in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["eval", "--drafter", str(tmp_path / "ok"), "--draft-tokens", "0"])
+    assert "argument --draft-tokens: expected an integer >= 1" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "ok"), "--features", str(tmp_path / "nofeats")]) == 1
     assert "manifest.json" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "ok"), "--suites", "code,poetry"]) == 1

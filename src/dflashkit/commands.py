@@ -21,6 +21,22 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
+DRAFT_TOKENS_HELP = ("tokens drafted a round (default: the drafter's block_size - 1, 15 for the bundled drafter); fewer "
+                     "cost less to draft and verify and can pay where rounds are compute-bound, e.g. 7 at batch 32 "
+                     "on a GPU (docs/serving.md, Draft length)")
+
+
+def draft_tokens(text: str) -> int:
+    """argparse type of `--draft-tokens N` (N >= 1; the drafter's block bounds it when it loads)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def budget_list(text: str) -> list[int]:
     """argparse type of `--budgets 8,16,32`: DDTree node budgets, each >= 1."""
     try:

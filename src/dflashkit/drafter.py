@@ -488,21 +488,23 @@ def draft_block(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor,
 
 
 def draft_step(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor, bonus: Tensor, ctx_start: Tensor,
-               start: Tensor, n: int) -> Tensor:
+               start: Tensor, n: int, block: int | None = None) -> Tensor:
     """The tensor part of `draft_block` (no host synchronisation, and every tensor it reads
     passed in, so CUDA graphs can capture it): context rows at ctx_start [b] + j, the block at
     start [b], attention over n slots of `cache` under the rule of `masks.visible`. Rows of a row's
     context past its own (padding: rows share the width c) are written past its block, where no
     query looks and a later context overwrites them: the cache needs room for ctx_start + c + B
     slots. (One store writes context and block, and a scatter that wrote a slot twice would keep
-    either write.)"""
+    either write.) block: positions drafted, the bonus included (default the drafter's
+    `block_size`; fewer drafts fewer tokens at a lower cost, `decode.engine.Engine`)."""
     cfg = drafter.config
+    B = block or cfg.block_size
     c, dev = new_features.shape[1], new_features.device
     ctx_slots = ctx_start[:, None] + torch.arange(c, device=dev)
-    ctx_slots = torch.where(ctx_slots < start[:, None], ctx_slots, ctx_slots + cfg.block_size)
-    blk_slots = start[:, None] + torch.arange(cfg.block_size, device=dev)
-    emb = embed(block_token_ids(bonus[:, None], cfg.block_size, cfg.mask_token_id))
-    lm = masks_mod.layer_masks(masks_mod.inference_layout(start, cfg.block_size, n), cfg.layer_types, cfg.sliding_window)
+    ctx_slots = torch.where(ctx_slots < start[:, None], ctx_slots, ctx_slots + B)
+    blk_slots = start[:, None] + torch.arange(B, device=dev)
+    emb = embed(block_token_ids(bonus[:, None], B, cfg.mask_token_id))
+    lm = masks_mod.layer_masks(masks_mod.inference_layout(start, B, n), cfg.layer_types, cfg.sliding_window)
     lm = {t: additive(m, new_features.dtype) for t, m in lm.items()}
     return drafter(emb, new_features, blk_slots, ctx_slots, lm, CacheSlots(cache, torch.cat([ctx_slots, blk_slots], 1), n))
 

@@ -421,17 +421,17 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                     methods: Sequence[str] = ("dflash", "ddtree"), budgets: Sequence[int] = (8, 16, 32, 64),
                     top_k: int | None = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
                     stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
-                    cost_aware: bool = False, desc: str = "online eval") -> dict[str, Any]:
+                    cost_aware: bool = False, draft_tokens: int | None = None, desc: str = "online eval") -> dict[str, Any]:
     """Every prompt: autoregressive baseline, then each drafter x method, on the same engine kind.
-    cost_aware: each speculative method also runs cost-aware (label suffix '+cost'); desc: the
-    progress bar's label."""
+    cost_aware: each speculative method also runs cost-aware (label suffix '+cost'); draft_tokens:
+    tokens drafted a round (`make_engine`); desc: the progress bar's label."""
     sampling = sampling or Sampling()
     greedy = sampling.temperature == 0
     labels = method_labels(methods, budgets)
     if cost_aware:
         labels += [(f"{lab}+cost", method, budget) for lab, method, budget in labels]
     base_engine = make_engine(target, None, engine)
-    engines = {n: make_engine(target, d, engine) for n, d in drafters.items()}
+    engines = {n: make_engine(target, d, engine, draft_tokens) for n, d in drafters.items()}
     exact_fp32 = exact_logits(target)
     base = {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0}
     runs = {n: {lab: {"taus": [], "tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "mismatches": [], "unexplained": [],
@@ -472,8 +472,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         "mode": "online", "prompts": len(prompts), "greedy": greedy, "dtype": str(target.dtype).removeprefix("torch."),
         "baseline": {**base, "tokens_per_s": base["tokens"] / max(base["seconds"], 1e-9)},
         "drafters": {}, "per_prompt": per_prompt}
-    for name, drafter in drafters.items():
-        B = drafter.config.block_size
+    for name in drafters:
+        B = engines[name].block
         out = {}
         for lab, r in runs[name].items():
             out[lab] = {**summarize(r["taus"], B), "tokens": r["tokens"], "seconds": r["seconds"],
@@ -945,11 +945,11 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 # ---- CLI -----------------------------------------------------------------------------------------
 
-ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "seed", "engine")
+ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "seed", "engine", "draft_tokens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options, budget_list
+    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, budget_list, draft_tokens
 
     p.add_argument("--drafter", action="append", default=[], metavar="[NAME=]DIR",
                    help="reference-format drafter directory (ours or published); repeat to compare several")
@@ -972,6 +972,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
+    g.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
     g.add_argument("--cost-aware", action="store_true", help="also run every method cost-aware ('+cost' rows): "
                    "the draft prefix verified each round is chosen from the measured verification cost")
     g.add_argument("--resume", action="store_true", help="suites: reuse those an earlier run of the same command "
@@ -1062,7 +1063,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
         drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
         kw = dict(methods=methods, budgets=budgets, top_k=top_k, sampling=sampling, engine=_pick(args.engine, "auto"),
-                  cost_aware=args.cost_aware,
+                  cost_aware=args.cost_aware, draft_tokens=args.draft_tokens,
                   stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
         if convs is not None:
             if args.resume:

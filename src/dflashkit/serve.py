@@ -873,7 +873,7 @@ def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, draft_tokens
 
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (the chosen one is printed)")
@@ -887,6 +887,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --drafter: measure what verification costs at this batch size and verify only the draft "
                    "prefix that pays; draft at all only while drafting rounds give more tokens per second than "
                    "autoregressive ones (a large batch on a GPU, or a CPU, may be faster without)")
+    p.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N", help="with --drafter: " + DRAFT_TOKENS_HELP)
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")
@@ -931,6 +932,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
     if args.cost_aware and not args.drafter:
         raise ValueError("--cost-aware needs --drafter DIR")
+    if args.draft_tokens is not None and not args.drafter:
+        raise ValueError("--draft-tokens needs --drafter DIR")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch needs N >= 1, got {args.max_batch}")
     admission = admission_from_args(args)
@@ -969,7 +972,7 @@ def load_for_serving(args: argparse.Namespace, cfg: Any) -> tuple[Served, Genera
 
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
-    generator = DecodingGenerator(make_engine(target, drafter, args.engine), method=method, budget=args.ddtree_budget,
+    generator = DecodingGenerator(make_engine(target, drafter, args.engine, args.draft_tokens), method=method, budget=args.ddtree_budget,
                                   rows=args.max_batch, cost_aware=args.cost_aware)
     if generator.engine.fixed_rows:
         print(f"dflashkit serve: warming up ({args.max_batch} rows: compiling, capturing CUDA graphs)", flush=True)

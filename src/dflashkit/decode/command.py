@@ -25,7 +25,7 @@ def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, draft_tokens
 
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (needed unless --method ar)")
@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")
+    p.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
     p.add_argument("--cost-aware", action="store_true",
                    help="measure what verification costs here and verify, each round, only the draft prefix that "
                         "maximises expected tokens/s (lossless either way)")
@@ -58,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                          device=resolve_device(cfg.target.device))
     drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype) if args.drafter else None
-    engine = make_engine(target, drafter if method != "ar" else None, args.engine)
+    if method == "ar" and args.draft_tokens is not None:
+        raise ValueError("--draft-tokens needs a speculative --method (dflash or ddtree) and --drafter DIR")
+    engine = make_engine(target, drafter if method != "ar" else None, args.engine, args.draft_tokens)
     ids = chat_ids(target.tokenizer, args.prompt, chat=not args.raw)
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
     res = generate(engine, ids, max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,

@@ -202,13 +202,35 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 
 
+def draft_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
+    """Positions of a round's draft block: 1 + `draft_tokens` (default: the drafter's whole
+    block; 1 without a drafter)."""
+    if drafter is None:
+        if draft_tokens is not None:
+            raise ValueError("draft_tokens (--draft-tokens): set without a drafter (autoregressive decoding drafts nothing)")
+        return 1
+    most = drafter.config.block_size - 1
+    if draft_tokens is None:
+        return most + 1
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= most:
+        raise ValueError(f"draft_tokens (--draft-tokens): expected an int from 1 to {most} (the drafter's block_size "
+                         f"{most + 1} less the bonus token), got {draft_tokens!r}")
+    return draft_tokens + 1
+
+
 class Engine:
     """b sequences of one target (and drafter). Lengths are kept on the host too (exact, or a
     round late with an upper bound, `KVCache.bound`), so a round needs one device-to-host
     transfer: its accepted paths and tokens, which may arrive after the next round is queued."""
 
-    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, runner: Runner | None = None) -> None:
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, runner: Runner | None = None,
+                 draft_tokens: int | None = None) -> None:
         self.target, self.drafter = target, drafter
+        # Positions a draft block holds, the bonus included: the drafter's block, or fewer
+        # (`draft_tokens`): a shorter draft costs less to make and to verify, and where rounds
+        # are compute-bound (a GPU at batch 32) that outweighs the acceptance it gives up
+        # (docs/serving.md, Draft length).
+        self.block = draft_block(drafter, draft_tokens)
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
@@ -300,11 +322,11 @@ class Engine:
         round's graphs again (`static.Graphs`)."""
         self.cache.reserve(capacity)
         if self.dcache is not None:
-            self.dcache.reserve(capacity + self.drafter.config.block_size)
+            self.dcache.reserve(capacity + self.block)
 
     def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
         h = draft_step(self.drafter, self._draft_embed, self.dcache, feats.to(self.draft_dtype), bonus, ctx_start,
-                       start, n)
+                       start, n, self.block)
         return (self.draft_head or self.lm_head)(h[:, 1:])
 
     def _draft_embed(self, ids: Tensor) -> Tensor:
@@ -320,7 +342,7 @@ class Engine:
         """bonus [b] at positions `lengths` -> the drafter's logits [b, B-1, V] for the next B-1
         positions and each row's tree from them (`tree.draft_trees`: budget None, DFlash's chain;
         else DDTree's best-first tree), built in the same step (one CUDA graph)."""
-        B, dc = self.drafter.config.block_size, self.dcache
+        B, dc = self.block, self.dcache
         # A round's new context (at most a block per row), or a long one: the prompt's, or what
         # rounds without a draft left.
         feats, self.pending_read = self.pending, True
@@ -418,7 +440,7 @@ class Engine:
         before this one's result reaches the host. The host's lengths learn the counts from
         `settle`, which must follow, once per call and in order. chain: every tree is a chain
         (nothing moves)."""
-        q = min(walked.path.shape[1], self.drafter.config.block_size)  # a path holds at most a block of nodes
+        q = min(walked.path.shape[1], self.block)  # a path holds at most a block of nodes
         counts = (walked.accepted + 1) * running
         if chain and self.cache.linear is None:  # the kept nodes are where they belong: lengths only
             self.cache.advance_late(counts, q)
@@ -439,7 +461,7 @@ class Engine:
         if self.pending_counts is mine:  # no draft took these features yet: it will advance by them
             self.pending_counts = list(counts)
         else:  # a draft took them (`draft`'s `advance_late`)
-            self.dcache.settle(counts, self.drafter.config.block_size)
+            self.dcache.settle(counts, self.block)
 
     def _settled(self, step: str) -> None:
         if self.late:  # rows move on the host's lengths, which miss the unsettled rounds
@@ -454,13 +476,13 @@ class Engine:
         if self.join_pass and small(m, bucket(max(map(len, prompts)), True), self.join_pass):
             if m not in self.stagings:
                 stage = Engine(self.target, self.drafter, self.run.twin(self.join_pass))
-                stage.lm_head, stage.draft_head = self.lm_head, self.draft_head
+                stage.lm_head, stage.draft_head, stage.block = self.lm_head, self.draft_head, self.block
                 stage.small_pass, stage.geometric = self.join_pass, True
                 self.stagings[m] = stage
             return self.stagings[m]
         self.eager_joins += 1
         fresh = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
-        fresh.lm_head, fresh.draft_head = self.lm_head, self.draft_head
+        fresh.lm_head, fresh.draft_head, fresh.block = self.lm_head, self.draft_head, self.block
         return fresh
 
     def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:

@@ -217,7 +217,7 @@ def _start(engine: Engine, requests: Sequence[Request], first: int, method: str,
     limits = [r.max_new_tokens for r in requests]
     if engine.target.max_positions:  # the answer ends where the model's positions do
         limits = [min(lim, engine.target.max_positions - len(r.prompt)) for lim, r in zip(limits, requests)]
-    B = engine.drafter.config.block_size if engine.drafter is not None else 1
+    B = engine.block
     gens = [new_generator(r.sampling) for r in requests]
     t0 = time.perf_counter()
     room = max(_room(len(r.prompt), m, budget, B) for r, m in zip(requests, limits))
@@ -283,7 +283,7 @@ def decode_stream(
     check_request(method, 1, engine.drafter, budget, top_k)
     requests = _requests(prompts, max_new_tokens, sampling, stop_ids)
     n = len(requests)
-    B = engine.drafter.config.block_size if engine.drafter is not None else 1
+    B = engine.block
     dev = engine.target.device
     stages = _Stages(profile, dev)
 
@@ -483,21 +483,23 @@ def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
     return generate_batch(engine, [prompt_ids], **kw)[0]
 
 
-def make_engine(target: Any, drafter: Any, kind: str = "auto") -> Engine:
+def make_engine(target: Any, drafter: Any, kind: str = "auto", draft_tokens: int | None = None) -> Engine:
     """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': for
     the targets the static runner supports, on CUDA static + torch.compile of the layer functions
     and of the drafter's step + fused q/k/v and gate/up weights, on a CPU static (with oneDNN's
     packed weights in fp32, and a bf16 copy of the drafter where `bf16_drafting`): the fastest
     measured on each (docs/benchmarks.md); else hf. Hybrids
     with linear attention always run on the static runner (Transformers' layers cannot roll their
-    state back)."""
+    state back). draft_tokens: tokens drafted a round (default: the drafter's block less the
+    bonus; fewer can pay where rounds are compute-bound, docs/serving.md)."""
     if kind not in ("auto", "hf", "static"):
         raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
     if kind == "hf" or (kind == "auto" and supported(target) is not None and "linear_attention" not in target.layer_kinds):
-        return Engine(target, drafter)
+        return Engine(target, drafter, draft_tokens=draft_tokens)
     gpu = kind == "auto" and target.device.type == "cuda"
     bf16 = kind == "auto" and drafter is not None and bf16_drafting(target)
-    return static_engine(target, drafter, compile=gpu, compile_drafter=gpu, draft_dtype=torch.bfloat16 if bf16 else None)
+    return static_engine(target, drafter, compile=gpu, compile_drafter=gpu, draft_dtype=torch.bfloat16 if bf16 else None,
+                         draft_tokens=draft_tokens)
 
 
 def bf16_drafting(target: Any) -> bool:
@@ -529,7 +531,7 @@ class DecodingGenerator:
         first request, instead of stalling it (and every request that joins) for tens of seconds."""
         if not self.engine.fixed_rows:
             return
-        B = self.engine.drafter.config.block_size if self.engine.drafter is not None else 1
+        B = self.engine.block
         rows, n = self.rows or 1, 3 * B + 1
         # The room of a request without a token limit whose prompt fits a span of slots, so that
         # it need not grow the caches and drop the graphs captured here.

@@ -667,14 +667,15 @@ LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix, attend_few)  # what `Stat
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
                   layer_ids: list[int] | None = None, pack: bool | None = None,
-                  draft_dtype: torch.dtype | None = None) -> Engine:
+                  draft_dtype: torch.dtype | None = None, draft_tokens: int | None = None) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
     target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
     drafter's step with its tree building. compile_drafter: torch.compile the drafter's pass (its
     layers, masks, cache writes and LM head) before capture. layer_ids: the taps whose features the
     engine keeps (default: the drafter's). pack: oneDNN's packed weights for the target's layers
     and LM head, and for a copy of the drafter's projections (default: fp32 on a CPU, `packable`).
-    draft_dtype: the drafter runs as a copy in this dtype (default: its own)."""
+    draft_dtype: the drafter runs as a copy in this dtype (default: its own). draft_tokens: tokens
+    drafted a round (default: the drafter's block less the bonus; `Engine`)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
@@ -690,7 +691,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     if drafter is not None:  # the engine's own copy, laid out for decoding (the caller's stays as it was)
         drafter = drafter_copy(drafter, draft_dtype, draft_packed)
         fuse_drafter(drafter, runner.fuse, column_weights(target.device))
-    engine = Engine(target, drafter, runner)
+    engine = Engine(target, drafter, runner, draft_tokens)
     if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
         engine.lm_head = lm_head(target, target.dtype, packed=True)
         if engine.draft_head is not None:
