@@ -210,6 +210,15 @@ def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys, monkeypa
     assert h["mean_tau"] > 1.3 and h["worst_suite"] in ("math", "multiturn")
     assert rep["drafters"]["mine"]["methods"]["dflash"]["identical"] is True
     assert "| mine | dflash | " in (root / "suites" / "report.md").read_text()
+    # Fewer draft tokens: another decoding setting, so --resume evaluates both suites again.
+    rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
+               "--methods", "dflash", "--out", str(root / "suites"), "target.device=cpu",
+               "target.dtype=float32", "--draft-tokens", "3", "--resume"])
+    assert rc == 0, capsys.readouterr().err
+    short = json.loads((root / "suites" / "report.json").read_text())
+    assert "reused_suites" not in short and short["settings"]["draft_tokens"] == 3
+    d = short["drafters"]["mine"]
+    assert d["block_size"] == 4 and len(d["methods"]["dflash"]["hist"]) == 4 and d["methods"]["dflash"]["identical"]
 
 
 def test_eval_cli_argument_errors(tmp_path, capsys):

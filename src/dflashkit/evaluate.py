@@ -1078,7 +1078,8 @@ def run(args: argparse.Namespace) -> int:
                 (s, eval_prompts(load_suite(s.name, limit), target.tokenizer, thinking=cfg.data.thinking)) for s in suites],
                 keep=keep, reuse=args.resume, **kw)
             settings.update(suites=[s.name for s in suites], limit=limit)
-        settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                        draft_tokens=args.draft_tokens)  # None: each drafter's block_size - 1
     report.update(training_tau_sim(paths))
     report.update(date=time.strftime("%Y-%m-%d %H:%M"), versions=versions(),
                   target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
