@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from dflashkit import few_attention
+from dflashkit.commands import draft_tokens
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode import heads as heads_mod
@@ -225,15 +226,15 @@ def engines(device: torch.device, compile_ok: bool, hybrid: bool = False) -> dic
     Transformers engine: its layers cannot roll their state back)."""
     out = {}
     if device.type == "cuda":
-        out["graphs"] = lambda t, d: static_engine(t, d, cuda_graphs=True, fuse=False)
+        out["graphs"] = lambda t, d, **kw: static_engine(t, d, cuda_graphs=True, fuse=False, **kw)
         if compile_ok:
-            out["compiled"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=False)
-            out["fused"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True)
-            out["fused-cd"] = lambda t, d: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True,
-                                                         compile_drafter=True)
+            out["compiled"] = lambda t, d, **kw: static_engine(t, d, cuda_graphs=True, compile=True, fuse=False, **kw)
+            out["fused"] = lambda t, d, **kw: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True, **kw)
+            out["fused-cd"] = lambda t, d, **kw: static_engine(t, d, cuda_graphs=True, compile=True, fuse=True,
+                                                               compile_drafter=True, **kw)
     if not hybrid:
         out["hf"] = Engine
-    out["static"] = lambda t, d: static_engine(t, d, cuda_graphs=False, fuse=False)
+    out["static"] = lambda t, d, **kw: static_engine(t, d, cuda_graphs=False, fuse=False, **kw)
     return out
 
 
@@ -266,12 +267,13 @@ def accept_everything(trees, anc, picked, chain=False):
 
 
 def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batches: list[int], new_tokens: int,
-               device: torch.device, kernels: int = 0) -> dict:
+               device: torch.device, kernels: int = 0, draft_tokens: int | None = None) -> dict:
     """DFlash rounds of the `fused-cd` engine (what `make_engine` gives on CUDA; the static engine
     elsewhere) at each batch size: τ = 1 (random drafts) and every draft accepted (`accept_everything`),
     beside an AR step at the same batch size (what a round must beat). Accepting everything, a generation
     runs B times the tokens, so that both kinds time as many rounds (three rounds of 16 tokens
-    were noise: their draft stage varied by 3 ms from one batch size to the next)."""
+    were noise: their draft stage varied by 3 ms from one batch size to the next). draft_tokens:
+    the engine's (`Engine`; default the drafter's whole block)."""
     from dflashkit.decode import loop
 
     make = engines(device, compile_ok=True).get("fused-cd") or engines(device, compile_ok=False)["static"]
@@ -279,10 +281,10 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
     for b in batches:
         for kind in ("ar", "tau1", "accept-all"):
             method = "ar" if kind == "ar" else "dflash"
-            eng = make(target, drafter)
+            eng = make(target, drafter, draft_tokens=draft_tokens)
             loop.walk = accept_everything if kind == "accept-all" else walk
             prompts = [ids[0]] * b
-            n = new_tokens * (drafter.config.block_size if kind == "accept-all" else 1)
+            n = new_tokens * (eng.block if kind == "accept-all" else 1)
             generate_batch(eng, prompts, max_new_tokens=n, method=method)  # capture graphs / compile
             sync(device)
             gens = generate_batch(eng, prompts, max_new_tokens=n, method=method)
@@ -501,6 +503,8 @@ def main() -> int:
     ap.add_argument("--hf-new-tokens", type=int, default=12, help="fewer for the slow Transformers engine")
     ap.add_argument("--time-limit", type=float, default=480, help="seconds; later engines are skipped past it")
     ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
+    ap.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N",
+                    help="the batched table's tokens drafted a round (default: the drafter's block_size - 1)")
     ap.add_argument("--long", type=int, default=0, help="also time a round after a prompt of this many tokens")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile each measured generation: device time per round by kernel kind and the N "
@@ -597,7 +601,8 @@ def main() -> int:
                   f"{s.get('verify', 0):7.2f} {s.get('commit', 0):7.2f} {100 * r['tree_share']:6.1f}%")
     if args.batches:
         res["batched"] = batch_rows(target, drafter, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, device,
-                                    args.kernels)
+                                    args.kernels, args.draft_tokens)
+        res["draft_tokens"] = args.draft_tokens
         save()
     if args.long:
         res["long_context"] = long_context(target, drafter, [args.prompt_len, args.long], args.new_tokens, device)
