@@ -202,7 +202,7 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 
 
-def draft_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
+def round_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
     """Positions of a round's draft block: 1 + `draft_tokens` (default: the drafter's whole
     block; 1 without a drafter)."""
     if drafter is None:
@@ -230,7 +230,7 @@ class Engine:
         # (`draft_tokens`): a shorter draft costs less to make and to verify, and where rounds
         # are compute-bound (a GPU at batch 32) that outweighs the acceptance it gives up
         # (docs/serving.md, Draft length).
-        self.block = draft_block(drafter, draft_tokens)
+        self.block = round_block(drafter, draft_tokens)
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
         self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
