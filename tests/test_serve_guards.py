@@ -322,3 +322,16 @@ def test_streamed_text_equals_decoding_the_whole_answer(tokenizer):
             # where a whole decode shows U+FFFD: equal up to that token
             assert full.startswith(text) and (text == full or "\ufffd" in full[len(text):]), (at, text, full)
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_speculative_options_without_a_drafter_are_refused_before_loading(capsys):
+    """`--draft-tokens` and `--cost-aware` decide how a drafter drafts: without `--drafter` each
+    is one line naming both, before any model loads; `--draft-tokens 0` is a usage error."""
+    from dflashkit.cli import main
+
+    for option in (["--draft-tokens", "7"], ["--cost-aware"]):
+        assert main(["serve", *option]) == 1
+        assert f"{option[0]} needs --drafter DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["serve", "--draft-tokens", "0"])
+    assert "argument --draft-tokens: expected an integer >= 1" in capsys.readouterr().err
