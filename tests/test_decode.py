@@ -772,7 +772,7 @@ def test_generate_command(smollm2, tmp_path, capsys):
     assert "needs --drafter" in capsys.readouterr().err
     rc = main(["generate", "--prompt", "Say hi.", "--drafter", str(tmp_path / "d"), "--draft-tokens", "3",
                "--max-new-tokens", "6", "target.device=cpu"])
-    assert rc == 0 and "[dflash] 6 tokens in" in capsys.readouterr().out
+    assert rc == 0 and "[dflash, 3 draft tokens a round] 6 tokens in" in capsys.readouterr().out
     assert main(["generate", "--prompt", "x", "--drafter", str(tmp_path / "d"), "--draft-tokens", "16"]) == 1
     assert "expected an int from 1 to 15" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--method", "ar", "--draft-tokens", "3"]) == 1

@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     tps = len(res.tokens) / max(res.prefill_seconds + res.decode_seconds, 1e-9)
     k = candidates(args.budget, args.top_k, target.vocab_size)
     label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{k})"
+    if args.draft_tokens is not None:
+        label += f", {args.draft_tokens} draft tokens a round"
     print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
           f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}"
           + (f", mean draft tokens verified {s['mean_draft_size']}" if "mean_draft_size" in s else ""))
