@@ -236,12 +236,20 @@ def test_multi_token_acceptance_with_graphed_commits(method):
     _check_multi_token_acceptance(target, make_tiny_drafter(target).cuda(), method, cuda_graphs=True)
 
 
-def _check_multi_token_acceptance(target, drafter, method: str, cuda_graphs: bool) -> None:
-    B, V, max_new = drafter.config.block_size, target.vocab_size, 40
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_multi_token_acceptance_with_fewer_draft_tokens(hybrid, method):
+    """The same with 4 of the drafter's 7 draft tokens (`draft_tokens`): verification blocks are
+    5 wide, and the recurrent states after every accepted path are still the right ones."""
+    _check_multi_token_acceptance(hybrid, make_tiny_drafter(hybrid), method, cuda_graphs=False, draft_tokens=4)
+
+
+def _check_multi_token_acceptance(target, drafter, method: str, cuda_graphs: bool, draft_tokens: int | None = None) -> None:
+    B, V, max_new = (draft_tokens or drafter.config.block_size - 1) + 1, target.vocab_size, 40
     prompts = [p.to(target.device) for p in ragged_prompts(3, (17, 9, 22))]
     seqs = [p[0].tolist() + greedy_reference(target, p, max_new + B) for p in prompts]
     ranks, budget, cap = (1, None, B - 1) if method == "dflash" else (2, 30, 4)
-    eng = Oracle(static_engine(target, drafter, cuda_graphs=cuda_graphs), *[oracle_proposals(s, V, B, ranks) for s in seqs])
+    eng = Oracle(static_engine(target, drafter, cuda_graphs=cuda_graphs, draft_tokens=draft_tokens),
+                 *[oracle_proposals(s, V, B, ranks) for s in seqs])
     gens = generate_batch(eng, prompts, max_new_tokens=max_new, method=method, budget=budget, top_k=2)
     for p, s, g in zip(prompts, seqs, gens):
         T = p.shape[1]
