@@ -54,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
     method = args.method or ("dflash" if args.drafter else "ar")
     if method != "ar" and not args.drafter:
         raise ValueError(f"--method {method} needs --drafter DIR (a reference-format drafter directory)")
+    if method == "ar" and args.draft_tokens is not None:
+        raise ValueError("--draft-tokens needs a speculative --method (dflash or ddtree) and --drafter DIR")
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     cfg = config_from_args(args)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                          device=resolve_device(cfg.target.device))
     drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype) if args.drafter else None
-    if method == "ar" and args.draft_tokens is not None:
-        raise ValueError("--draft-tokens needs a speculative --method (dflash or ddtree) and --drafter DIR")
     engine = make_engine(target, drafter if method != "ar" else None, args.engine, args.draft_tokens)
     ids = chat_ids(target.tokenizer, args.prompt, chat=not args.raw)
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
