@@ -73,3 +73,30 @@ def test_fused_few_attention_in_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_drafter_rows_attend_through_the_fused_kernel_as_sdpa_does():
+    """A batched draft (several rows, a block of queries) attends through `few_attention` and gets
+    what SDPA gets; training (no `decoding`) keeps SDPA, which has a backward."""
+    from dflashkit import drafter
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, t, n, d = 4, 9, 3, 8, 300, 64
+    q = torch.randn(b, h, t, d, generator=g).cuda().bfloat16()
+    k, v = (torch.randn(b, kv, n, d, generator=g).cuda().bfloat16() for _ in range(2))
+    lengths = torch.randint(n // 3, n // 2, (b,), generator=g)
+    seen = torch.arange(n)[None, None, None] < lengths[:, None, None, None] + t  # [b, 1, 1, n]: context and block
+    mask = drafter.additive(seen.expand(b, 1, t, n), torch.bfloat16).cuda()
+    calls = []
+    fused = few_attention.attend
+    few_attention.attend = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    try:
+        got = drafter.attend(q, k, v, mask, True, decoding=True)
+        assert calls, "the rows of a draft did not attend through few_attention"
+        calls.clear()
+        want = drafter.attend(q, k, v, mask, True)
+        assert not calls
+    finally:
+        few_attention.attend = fused
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

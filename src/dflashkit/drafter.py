@@ -226,15 +226,18 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> T
     return s.softmax(-1).to(v.dtype) @ v
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any, gqa: bool) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any, gqa: bool, decoding: bool = False) -> Tensor:
     """q [b, h, q, d], k/v [b, kv, K, d]; mask: None, additive or bool [b|1, 1, q, K] or a
     FlexAttention BlockMask; gqa: kv < h, from the config (a comparison of shapes is symbolic under
     torch.compile(dynamic=True), and SDPA refuses it: the compiled step broke in two at every
-    layer). One row of few queries on CUDA (a draft at batch 1) goes through `attend_few`."""
+    layer). Few queries on CUDA go through `attend_few`: one row always, several rows of a draft
+    (`decoding`: no backward) where `few_attention.use` takes them, as the target's verification
+    does (at batch 32 on an H100, SDPA's cuDNN kernel and its mask cost 48 us a drafter layer)."""
     if masks_mod.is_block_mask(mask):
         return masks_mod.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     b, _, t, _ = q.shape
-    if q.is_cuda and b == 1 and t <= FEW_QUERIES and torch.is_tensor(mask) and mask.dtype != torch.bool:
+    if q.is_cuda and t <= FEW_QUERIES and torch.is_tensor(mask) and mask.dtype != torch.bool \
+            and (b == 1 or decoding and few_attention.use(b, k.shape[-2], q.shape[-1], q.dtype, q.device)):
         return attend_heads(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
@@ -285,7 +288,7 @@ class Attention(nn.Module):
             k, v = self._kv(torch.cat([ctx, x], dim=1), *cache.rope, fused=True)
             cache.kv.store(cache.layer, k, v, cache.slots)
             k, v = cache.kv.view(cache.layer, cache.n)
-        out = attend(q, k, v, mask, self.kv != self.h)
+        out = attend(q, k, v, mask, self.kv != self.h, decoding=cache is not None)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
 
