@@ -69,34 +69,59 @@ def test_fused_few_attention_on_cuda():
 
 def test_fused_few_attention_in_triton_interpreter():
     code = ("import torch, test_few_attention as t\n"
-            "t.check(torch.float32, 'cpu')\nt.CASES = t.CASES[1:2]\nt.check(torch.float16, 'cpu')\n")
+            "t.check(torch.float32, 'cpu')\nt.CASES = t.CASES[1:2]\nt.check(torch.float16, 'cpu')\n"
+            "t.few_attention.use = lambda *a: True\nt.check_drafter(torch.float32, 'cpu')\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_drafter_rows_attend_through_the_fused_kernel_as_sdpa_does():
-    """A batched draft (several rows, a block of queries) attends through `few_attention` and gets
-    what SDPA gets; training (no `decoding`) keeps SDPA, which has a backward."""
+
+def check_drafter(dtype: torch.dtype, device: str) -> None:
+    """The drafter's layout (`drafter.attend_heads`: q [b, h, t, d], the g query heads of a KV head
+    folded into the query axis, the mask repeated for each) through the fused kernel, at several
+    rows (a batched draft) over its context and block, equals SDPA."""
+    import torch.nn.functional as F
+
     from dflashkit import drafter
 
     g = torch.Generator().manual_seed(0)
     b, h, kv, t, n, d = 4, 9, 3, 8, 300, 64
-    q = torch.randn(b, h, t, d, generator=g).cuda().bfloat16()
-    k, v = (torch.randn(b, kv, n, d, generator=g).cuda().bfloat16() for _ in range(2))
+    q = torch.randn(b, h, t, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(b, kv, n, d, generator=g).to(device, dtype) for _ in range(2))
     lengths = torch.randint(n // 3, n // 2, (b,), generator=g)
-    seen = torch.arange(n)[None, None, None] < lengths[:, None, None, None] + t  # [b, 1, 1, n]: context and block
-    mask = drafter.additive(seen.expand(b, 1, t, n), torch.bfloat16).cuda()
-    calls = []
-    fused = few_attention.attend
+    # [b, 1, t, n]: each query sees a different span (a fold that mixed queries up would show)
+    seen = torch.arange(n) < (lengths[:, None] + 1 + torch.arange(t))[:, None, :, None]
+    mask = drafter.additive(seen, dtype).to(device)
+    calls, fused = [], few_attention.attend
     few_attention.attend = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
     try:
-        got = drafter.attend(q, k, v, mask, True, decoding=True)
-        assert calls, "the rows of a draft did not attend through few_attention"
+        got = drafter.attend_heads(q, k, v, mask)
+    finally:
+        few_attention.attend = fused
+    assert calls, "several rows did not attend through few_attention"
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_drafter_rows_attend_through_the_fused_kernel_on_cuda():
+    """A batched draft's rows attend through `few_attention` and get what SDPA gets; training (no
+    `decoding`: it needs a backward) keeps SDPA."""
+    from dflashkit import drafter
+
+    check_drafter(torch.bfloat16, "cuda")
+    q = torch.randn(4, 9, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 3, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(4, 1, 8, 300, device="cuda", dtype=torch.bfloat16)
+    calls, fused = [], few_attention.attend
+    few_attention.attend = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    try:
+        drafter.attend(q, k, v, mask, True, decoding=True)
+        assert calls
         calls.clear()
-        want = drafter.attend(q, k, v, mask, True)
+        drafter.attend(q, k, v, mask, True)
         assert not calls
     finally:
         few_attention.attend = fused
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
