@@ -5,6 +5,7 @@ chosen when the kernels are defined."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -77,10 +78,22 @@ def test_fused_few_attention_in_triton_interpreter():
 
 
 
+@contextlib.contextmanager
+def fused_calls():
+    """The calls made to `few_attention.attend` inside the block, as a list that grows."""
+    calls, fused = [], few_attention.attend
+    few_attention.attend = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    try:
+        yield calls
+    finally:
+        few_attention.attend = fused
+
+
 def check_drafter(dtype: torch.dtype, device: str) -> None:
     """The drafter's layout (`drafter.attend_heads`: q [b, h, t, d], the g query heads of a KV head
     folded into the query axis, the mask repeated for each) through the fused kernel, at several
-    rows (a batched draft) over its context and block, equals SDPA."""
+    rows (a batched draft) over its context and block, equals SDPA; through `drafter.attend` a
+    draft takes that path, training (no `decoding`: it needs a backward) keeps SDPA."""
     import torch.nn.functional as F
 
     from dflashkit import drafter
@@ -93,13 +106,16 @@ def check_drafter(dtype: torch.dtype, device: str) -> None:
     # [b, 1, t, n]: each query sees a different span (a fold that mixed queries up would show)
     seen = torch.arange(n) < (lengths[:, None] + 1 + torch.arange(t))[:, None, :, None]
     mask = drafter.additive(seen, dtype).to(device)
-    calls, fused = [], few_attention.attend
-    few_attention.attend = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
-    try:
+    with fused_calls() as calls:
         got = drafter.attend_heads(q, k, v, mask)
-    finally:
-        few_attention.attend = fused
-    assert calls, "several rows did not attend through few_attention"
+        assert calls, "several rows did not attend through few_attention"
+        if q.is_cuda:
+            calls.clear()
+            torch.testing.assert_close(drafter.attend(q, k, v, mask, True, decoding=True), got, rtol=0, atol=0)
+            assert calls
+            calls.clear()
+            drafter.attend(q, k, v, mask, True)
+            assert not calls
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=True)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -107,21 +123,4 @@ def check_drafter(dtype: torch.dtype, device: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_drafter_rows_attend_through_the_fused_kernel_on_cuda():
-    """A batched draft's rows attend through `few_attention` and get what SDPA gets; training (no
-    `decoding`: it needs a backward) keeps SDPA."""
-    from dflashkit import drafter
-
     check_drafter(torch.bfloat16, "cuda")
-    q = torch.randn(4, 9, 8, 64, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(4, 3, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mask = torch.zeros(4, 1, 8, 300, device="cuda", dtype=torch.bfloat16)
-    calls, fused = [], few_attention.attend
-    few_attention.attend = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
-    try:
-        drafter.attend(q, k, v, mask, True, decoding=True)
-        assert calls
-        calls.clear()
-        drafter.attend(q, k, v, mask, True)
-        assert not calls
-    finally:
-        few_attention.attend = fused
