@@ -382,7 +382,7 @@ def test_dense_training_mask_is_one_additive_tensor_for_all_layers(tiny_target, 
     mb = _batch(tiny_target, drafter, anchors=((3, 17, 29),))
     seen = []
     real = dr.attend
-    monkeypatch.setattr(dr, "attend", lambda q, k, v, mask, gqa: seen.append(mask) or real(q, k, v, mask, gqa))
+    monkeypatch.setattr(dr, "attend", lambda q, k, v, mask, gqa, **kw: seen.append(mask) or real(q, k, v, mask, gqa, **kw))
     h = training_hidden(drafter, tiny_target.embed, mb.input_ids, mb.features, mb.anchors, backend="sdpa")
     assert len(seen) == drafter.config.num_hidden_layers and all(m is seen[0] for m in seen)
     assert seen[0].dtype == mb.features.dtype
