@@ -141,6 +141,10 @@ def main() -> None:
     p.add_argument("--continuous", action="store_true", help="the same as --modes continuous")
     p.add_argument("--refill", type=float, default=0.25,
                    help="with --continuous: prompts join once this share of the rows is free (default 0.25)")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="queue the prompts K times (default 1). A continuous run ends by draining its rows, and there "
+                   "the rows slowest to decode run nearly alone (for DFlash, those of the lowest τ); K > 1 comes "
+                   "closer to a server under steady load")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
@@ -162,11 +166,13 @@ def main() -> None:
         raise SystemExit(f"--modes: expected a comma list of groups and continuous, got {args.modes!r}")
     for label in methods:
         parse_method(label)
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat: expected an int >= 1, got {args.repeat}")
     if methods[0] != "ar":
         raise SystemExit(f"--methods must start with ar (the baselines are AR's), got {args.methods!r}")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
-    prompts = [pr.ids for pr in eval_prompts(load_prompts("humaneval", limit=args.prompts), target.tokenizer)]
+    prompts = [pr.ids for pr in eval_prompts(load_prompts("humaneval", limit=args.prompts), target.tokenizer)] * args.repeat
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
 
     engines = {"ar": make_engine(target, None, args.engine), "spec": make_engine(target, drafter, args.engine, args.draft_tokens)}
@@ -205,7 +211,7 @@ def main() -> None:
     for r in rows:  # against AR in the same mode
         r["speedup"], r["vs_ar"] = r["tokens_per_s"] / ar(r["mode"], sizes[0]), r["tokens_per_s"] / ar(r["mode"], r["batch"])
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "modes": modes,
+    settings = {"prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "refill": args.refill if "continuous" in modes else None,
                 "speedup_against_batch": sizes[0], "device": device, "dtype": args.dtype,
                 "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
