@@ -22,8 +22,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 DRAFT_TOKENS_HELP = ("tokens drafted a round (default: the drafter's block_size - 1, 15 for the bundled drafter); fewer "
-                     "cost less to draft and verify and can pay where rounds are compute-bound, e.g. 7 at batch 32 "
-                     "on a GPU (docs/serving.md, Draft length)")
+                     "cost less to draft and verify and can pay where a round's cost grows with its tokens, e.g. 7 "
+                     "from batch 32 on a GPU (docs/serving.md, Draft length)")
 
 
 def draft_tokens(text: str) -> int:
