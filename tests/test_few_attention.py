@@ -77,7 +77,6 @@ def test_fused_few_attention_in_triton_interpreter():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-
 @contextlib.contextmanager
 def fused_calls():
     """The calls made to `few_attention.attend` inside the block, as a list that grows."""
