@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from bench_decode import add_baseline_options, apply_baseline_options
-from dflashkit.commands import draft_tokens
+from dflashkit.commands import DRAFT_TOKENS_HELP, positive_int
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--continuous", action="store_true", help="the same as --modes continuous")
     p.add_argument("--refill", type=float, default=0.25,
                    help="with --continuous: prompts join once this share of the rows is free (default 0.25)")
-    p.add_argument("--repeat", type=int, default=1, metavar="K",
+    p.add_argument("--repeat", type=positive_int, default=1, metavar="K",
                    help="queue the prompts K times (default 1). A continuous run ends by draining its rows, and there "
                    "the rows slowest to decode run nearly alone (for DFlash, those of the lowest τ); K > 1 comes "
                    "closer to a server under steady load")
@@ -149,8 +149,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the bundled SmolLM2 drafter)")
-    p.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N",
-                   help="tokens drafted a round (default: the drafter's block_size - 1)")
+    p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
     p.add_argument("--json", help="write settings and rows here")
     add_baseline_options(p)
     args = p.parse_args()
@@ -166,8 +165,6 @@ def main() -> None:
         raise SystemExit(f"--modes: expected a comma list of groups and continuous, got {args.modes!r}")
     for label in methods:
         parse_method(label)
-    if args.repeat < 1:
-        raise SystemExit(f"--repeat: expected an int >= 1, got {args.repeat}")
     if methods[0] != "ar":
         raise SystemExit(f"--methods must start with ar (the baselines are AR's), got {args.methods!r}")
     target = load_target(args.target, dtype=args.dtype, device=args.device)

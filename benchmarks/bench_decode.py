@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from dflashkit import few_attention
-from dflashkit.commands import draft_tokens
+from dflashkit.commands import positive_int
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode import heads as heads_mod
@@ -503,7 +503,7 @@ def main() -> int:
     ap.add_argument("--hf-new-tokens", type=int, default=12, help="fewer for the slow Transformers engine")
     ap.add_argument("--time-limit", type=float, default=480, help="seconds; later engines are skipped past it")
     ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
-    ap.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N",
+    ap.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                     help="the batched table's tokens drafted a round (default: the drafter's block_size - 1)")
     ap.add_argument("--long", type=int, default=0, help="also time a round after a prompt of this many tokens")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",

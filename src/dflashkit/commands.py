@@ -26,8 +26,8 @@ DRAFT_TOKENS_HELP = ("tokens drafted a round (default: the drafter's block_size 
                      "from batch 32 on a GPU (docs/serving.md, Draft length)")
 
 
-def draft_tokens(text: str) -> int:
-    """argparse type of `--draft-tokens N` (N >= 1; the drafter's block bounds it when it loads)."""
+def positive_int(text: str) -> int:
+    """argparse type of a count >= 1 (`--draft-tokens N`: the drafter's block bounds it when it loads)."""
     try:
         n = int(text)
     except ValueError:

@@ -949,7 +949,7 @@ ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, budget_list, draft_tokens
+    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, budget_list, positive_int
 
     p.add_argument("--drafter", action="append", default=[], metavar="[NAME=]DIR",
                    help="reference-format drafter directory (ours or published); repeat to compare several")
@@ -972,7 +972,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
-    g.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
+    g.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
     g.add_argument("--cost-aware", action="store_true", help="also run every method cost-aware ('+cost' rows): "
                    "the draft prefix verified each round is chosen from the measured verification cost")
     g.add_argument("--resume", action="store_true", help="suites: reuse those an earlier run of the same command "

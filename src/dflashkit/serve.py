@@ -873,7 +873,7 @@ def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, draft_tokens
+    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, positive_int
 
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (the chosen one is printed)")
@@ -887,7 +887,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --drafter: measure what verification costs at this batch size and verify only the draft "
                    "prefix that pays; draft at all only while drafting rounds give more tokens per second than "
                    "autoregressive ones (a large batch on a GPU, or a CPU, may be faster without)")
-    p.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N", help="with --drafter: " + DRAFT_TOKENS_HELP)
+    p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help="with --drafter: " + DRAFT_TOKENS_HELP)
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")

@@ -25,7 +25,7 @@ def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, draft_tokens
+    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, positive_int
 
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (needed unless --method ar)")
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")
-    p.add_argument("--draft-tokens", type=draft_tokens, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
+    p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
     p.add_argument("--cost-aware", action="store_true",
                    help="measure what verification costs here and verify, each round, only the draft prefix that "
                         "maximises expected tokens/s (lossless either way)")
