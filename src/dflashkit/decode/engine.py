@@ -227,9 +227,9 @@ class Engine:
                  draft_tokens: int | None = None) -> None:
         self.target, self.drafter = target, drafter
         # Positions a draft block holds, the bonus included: the drafter's block, or fewer
-        # (`draft_tokens`): a shorter draft costs less to make and to verify, and where rounds
-        # are compute-bound (a GPU at batch 32) that outweighs the acceptance it gives up
-        # (docs/serving.md, Draft length).
+        # (`draft_tokens`): a shorter draft costs less to make and to verify, and where a round's
+        # cost grows with its tokens (a GPU from batch 32) that outweighs the acceptance it gives
+        # up (docs/serving.md, Draft length).
         self.block = round_block(drafter, draft_tokens)
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)

@@ -491,7 +491,7 @@ def make_engine(target: Any, drafter: Any, kind: str = "auto", draft_tokens: int
     measured on each (docs/benchmarks.md); else hf. Hybrids
     with linear attention always run on the static runner (Transformers' layers cannot roll their
     state back). draft_tokens: tokens drafted a round (default: the drafter's block less the
-    bonus; fewer can pay where rounds are compute-bound, docs/serving.md)."""
+    bonus; fewer can pay where a round's cost grows with its tokens, docs/serving.md)."""
     if kind not in ("auto", "hf", "static"):
         raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
     if kind == "hf" or (kind == "auto" and supported(target) is not None and "linear_attention" not in target.layer_kinds):
