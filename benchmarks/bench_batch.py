@@ -17,17 +17,20 @@ nothing) (a finished row that waits for its group, or an idle row of a CUDA-grap
 waiting for enough free rows to admit, costs as much as a decoding one), "joins" the admissions
 (continuous; the JSON also counts the join groups prefilled eagerly, `eager_joins`: a prompt too long
 for a staging pass), "captures" the CUDA graphs captured in the timed pass (0 unless it met a shape the
-untimed passes did not). Each
-configuration first runs the same work untimed (CUDA-graph capture and compilation happen once
+untimed passes did not). At each
+batch size every method first runs its work untimed (CUDA-graph capture and compilation happen once
 per shape; a shorter warm-up left them in whichever method ran first), again while a pass still
-captured graphs (a cache that grew drops the graphs over its old buffers); CUDA is synchronised
-before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size and
+captured graphs (a cache that grew drops the graphs over its old buffers); then the methods take
+turns for `--trials` timed passes each, and a row is its method's median trial (the JSON keeps
+every trial's seconds). CUDA is synchronised before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size and
 mode (greedy; bf16 near-ties may part).
 
     python benchmarks/bench_batch.py --prompts 8 --max-new-tokens 64 --json runs/bench-batch-cpu.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 32 --json out.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 128 \
         --max-new-tokens 64 --methods ar,dflash --modes groups,continuous --json out.json
+    python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 32 --prompts 164 --repeat 4 \
+        --max-new-tokens 256 --methods ar,dflash --modes continuous --draft-tokens 7 --trials 5 --json out.json
 """
 
 from __future__ import annotations
@@ -77,25 +80,34 @@ def counting(engine: Engine, counts: dict[str, int], **keys: str) -> None:
         setattr(engine, name, wrapper)
 
 
-def measure(engine: Engine, prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int,
-            stop_ids: set[int], continuous: bool = False, refill: float = 0.25) -> tuple[float, list[Generation], dict]:
-    """-> seconds, the generations, and what the timed pass ran: batch rounds (verification
-    passes), joins, and CUDA graphs captured (none, unless a shape the untimed passes never met)."""
+def plan(prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int, stop_ids: set[int],
+         continuous: bool = False, refill: float = 0.25) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
+    """-> the groups of prompts one pass decodes and `generate_batch`'s keywords for them."""
     method, budget, cost_aware = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                               cost_aware=cost_aware)
     if continuous:  # every prompt through `batch` rows, a finished row's place to the next prompt
         groups, kw["rows"], kw["refill"] = [prompts], batch, refill
-    # Untimed passes over the same work, so that graph capture and compilation stay out of the
-    # numbers: again while a pass captured graphs, because a cache that grew in a pass drops the
-    # graphs captured over its old buffers, and the next pass's early shapes need them again.
+    return groups, kw
+
+
+def warm(work: list[tuple[Engine, list[list[torch.Tensor]], dict[str, Any]]]) -> None:
+    """Untimed passes over each configuration's work, so that graph capture and compilation stay
+    out of the numbers: again while a pass captured graphs, because a cache that grew in a pass
+    drops the graphs captured over its old buffers, and the next pass's early shapes need them."""
     for _ in range(WARM_PASSES):
         before = Graphs.captured
-        for grp in groups:
-            generate_batch(engine, grp, **kw)
+        for engine, groups, kw in work:
+            for grp in groups:
+                generate_batch(engine, grp, **kw)
         if Graphs.captured == before:
             break
+
+
+def timed(engine: Engine, groups: list[list[torch.Tensor]], kw: dict[str, Any]) -> tuple[float, list[Generation], dict]:
+    """One timed pass -> seconds, the generations, and what it ran: batch rounds (verification
+    passes), joins, and CUDA graphs captured (none, unless a shape the untimed passes never met)."""
     counts = {"batch_rounds": 0, "joins": 0}
     counting(engine, counts, verify="batch_rounds", join="joins")
     captured, eager = Graphs.captured, engine.eager_joins
@@ -145,6 +157,10 @@ def main() -> None:
                    help="queue the prompts K times (default 1). A continuous run ends by draining its rows, and there "
                    "the rows slowest to decode run nearly alone (for DFlash, those of the lowest τ); K > 1 comes "
                    "closer to a server under steady load")
+    p.add_argument("--trials", type=positive_int, default=1, metavar="N",
+                   help="time each configuration N times, the methods taking turns, and report each method's median "
+                   "trial (default 1). At these small shapes a GPU's speed drifts from run to run: AR at batch 32 "
+                   "took 1.42-1.83 ms a round over four runs on one H100")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
@@ -173,20 +189,30 @@ def main() -> None:
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
 
     engines = {"ar": make_engine(target, None, args.engine), "spec": make_engine(target, drafter, args.engine, args.draft_tokens)}
-    rows, ar_at = [], {}
+    rows = []
     for mode in modes:
         for batch in sizes:
-            for method in methods:
-                eng = engines["ar" if method == "ar" else "spec"]
-                seconds, gens, counts = measure(eng, prompts, method, batch, args.max_new_tokens, stops, mode == "continuous",
-                                        args.refill)
-                ar_at.setdefault((mode, batch), gens)
+            work = [(engines["ar" if m == "ar" else "spec"],
+                     *plan(prompts, m, batch, args.max_new_tokens, stops, mode == "continuous", args.refill)) for m in methods]
+            warm(work)
+            # The methods take turns, trial after trial, so that a drift of the machine's speed
+            # weighs on all of them alike; each row is its method's median trial.
+            trials: list[list[tuple[float, list[Generation], dict]]] = [[] for _ in methods]
+            for i in range(args.trials):
+                for method, runs, w in zip(methods, trials, work):
+                    runs.append(timed(*w))
+                    if args.trials > 1:
+                        print(f"{mode} {method} batch {batch}, trial {i + 1}: {runs[-1][0]:.3f} s", flush=True)
+            ar_gens = None
+            for method, runs in zip(methods, trials):
+                seconds, gens, counts = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+                ar_gens = ar_gens or gens
                 tokens = sum(len(g.tokens) for g in gens)
                 rounds = sum(g.rounds for g in gens)
                 row = {"mode": mode, "method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
-                       "seconds": seconds, "tokens_per_s": tokens / seconds,
+                       "seconds": seconds, "tokens_per_s": tokens / seconds, "trial_seconds": [r[0] for r in runs],
                        "tau": sum(sum(g.accept_lengths) for g in gens) / max(1, rounds),
-                       "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_at[mode, batch])), **counts,
+                       "identical": sum(g.tokens == f.tokens for g, f in zip(gens, ar_gens)), **counts,
                        # rows that decoded in a round, over the rows a round runs (idle and waiting rows cost the same)
                        "occupancy": rounds / max(1, counts["batch_rounds"] * batch),
                        "ms_per_round": 1e3 * seconds / max(1, counts["batch_rounds"])}
@@ -194,13 +220,14 @@ def main() -> None:
                     groups = [gens[i:i + batch] for i in range(0, len(gens), batch)]
                     row["tail"] = sum(max(g.rounds for g in grp) * len(grp) for grp in groups) / max(1, rounds)
                 rows.append(row)
-                print(f"{mode} {method} batch {batch}: {tokens / seconds:.1f} tokens/s, τ {row['tau']:.2f}, "
+                spread = f" (trials {min(row['trial_seconds']):.2f}-{max(row['trial_seconds']):.2f} s)" if args.trials > 1 else ""
+                print(f"{mode} {method} batch {batch}: {tokens / seconds:.1f} tokens/s{spread}, τ {row['tau']:.2f}, "
                       f"{counts['batch_rounds']} rounds of {row['ms_per_round']:.2f} ms, occupancy {row['occupancy']:.2f}, "
                       f"{counts['joins']} joins ({counts['eager_joins']} groups eagerly), "
                       f"{counts['captures']} graphs captured", flush=True)
-                if args.json:  # after each measurement: a run cut short keeps what it measured
-                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
+            if args.json:  # after each batch size: a run cut short keeps what it measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
 
     def ar(mode: str, batch: int) -> float:
         return next(a for a in rows if a["method"] == "ar" and a["mode"] == mode and a["batch"] == batch)["tokens_per_s"]
@@ -208,7 +235,7 @@ def main() -> None:
     for r in rows:  # against AR in the same mode
         r["speedup"], r["vs_ar"] = r["tokens_per_s"] / ar(r["mode"], sizes[0]), r["tokens_per_s"] / ar(r["mode"], r["batch"])
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    settings = {"prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens, "modes": modes,
+    settings = {"prompts": len(prompts), "repeat": args.repeat, "trials": args.trials, "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "refill": args.refill if "continuous" in modes else None,
                 "speedup_against_batch": sizes[0], "device": device, "dtype": args.dtype,
                 "engine": args.engine, "runner": type(engines["spec"].run).__name__, **baselines,
