@@ -22,8 +22,8 @@ batch size every method first runs its work untimed (CUDA-graph capture and comp
 per shape; a shorter warm-up left them in whichever method ran first), again while a pass still
 captured graphs (a cache that grew drops the graphs over its old buffers); then the methods take
 turns for `--trials` timed passes each, and a row is its method's median trial (the JSON keeps
-every trial's seconds). CUDA is synchronised before each clock read. "identical" counts rows whose tokens equal AR's at the same batch size and
-mode (greedy; bf16 near-ties may part).
+every trial's seconds). CUDA is synchronised before each clock read. "identical" counts rows
+whose tokens equal AR's at the same batch size and mode (greedy; bf16 near-ties may part).
 
     python benchmarks/bench_batch.py --prompts 8 --max-new-tokens 64 --json runs/bench-batch-cpu.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 32 --json out.json
@@ -203,10 +203,9 @@ def main() -> None:
                     runs.append(timed(*w))
                     if args.trials > 1:
                         print(f"{mode} {method} batch {batch}, trial {i + 1}: {runs[-1][0]:.3f} s", flush=True)
-            ar_gens = None
-            for method, runs in zip(methods, trials):
-                seconds, gens, counts = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-                ar_gens = ar_gens or gens
+            medians = [sorted(runs, key=lambda r: r[0])[len(runs) // 2] for runs in trials]
+            ar_gens = medians[0][1]  # (--methods starts with ar)
+            for method, runs, (seconds, gens, counts) in zip(methods, trials, medians):
                 tokens = sum(len(g.tokens) for g in gens)
                 rounds = sum(g.rounds for g in gens)
                 row = {"mode": mode, "method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
