@@ -159,8 +159,8 @@ def main() -> None:
                    "closer to a server under steady load")
     p.add_argument("--trials", type=positive_int, default=1, metavar="N",
                    help="time each configuration N times, the methods taking turns, and report each method's median "
-                   "trial (default 1). At these small shapes a GPU's speed drifts from run to run: AR at batch 32 "
-                   "took 1.42-1.83 ms a round over four runs on one H100")
+                   "trial (default 1). Trials in one process agreed to a few percent; processes differed more "
+                   "(AR at batch 32: 1.42-1.83 ms a round over four on one H100), so run it more than once")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--target", default=None, help="target path (default: the SmolLM2 testbed)")
