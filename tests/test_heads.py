@@ -1,6 +1,7 @@
 """The one-kernel q/k/v heads (`decode/heads.py`, Triton) equal `static.qkv` in PyTorch: the
 queries in the attention's layout and the keys and values written into the cache at ragged slots,
-for Qwen3's head norms, Gemma's (1 + w) norms and no head norms (Llama). On CUDA in bf16,
+for Qwen3's head norms, Gemma's (1 + w) norms and no head norms (Llama); and, without queries, the
+drafter's keys and values as its own layers make them. On CUDA in bf16,
 elsewhere through Triton's interpreter (fp32 and fp16) in a subprocess, since the interpreter is
 chosen when the kernels are defined."""
 
@@ -70,13 +71,67 @@ def check(dtype: torch.dtype, device: str) -> None:
             assert (plain - q_ref).abs().max() > 100 * tol
 
 
+def check_keys_values(dtype: torch.dtype, device: str) -> None:
+    """Without queries (a drafter's new context and block, `drafter.Attention.store`): the keys and
+    values that the drafter's own `_kv` makes, written where `KVCache.store` writes them, into one
+    layer of a cache of two; nothing else touched. On CUDA, `Attention.store` takes this path."""
+    from dflashkit.decode.cache import KVCache
+    from dflashkit.decode.packed import fused_linear
+    from dflashkit.drafter import Attention, DrafterConfig, rope_cos_sin
+
+    g = torch.Generator().manual_seed(1)
+    b, t, cap, KV, d = 3, 9, 40, 2, 64
+    cfg = DrafterConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=KV, head_dim=d, vocab_size=100, num_target_layers=2,
+                        target_layer_ids=[0, 1], mask_token_id=1)
+    attn = Attention(cfg)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.ndim > 1 else 1))
+    attn = attn.to(device, dtype)
+    attn.kv_weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight]).detach()
+    x = torch.randn(b, t, cfg.hidden_size, generator=g).to(device, dtype)
+    slots = (torch.randint(0, cap - t, (b,), generator=g)[:, None] + torch.arange(t)).to(device)
+    cos, sin = rope_cos_sin(slots, d, cfg.rope_theta, dtype)
+    caches = []
+    for fused in (False, True):
+        cache = KVCache(2)
+        cache.start(b, x.device)
+        cache.reserve(cap)
+        cache.allocate(x.new_empty(b, KV, 0, d))
+        if not caches:  # (the capacity allocated is aligned past `cap`)
+            garbage = [torch.randn(cache.k.shape, generator=g).to(device, dtype) for _ in range(2)]
+        cache.k.copy_(garbage[0])
+        cache.v.copy_(garbage[1])
+        if fused:
+            cache.store_heads(1, fused_linear(x, attn.kv_weight, attn.k_proj), attn.k_norm.weight, attn.k_norm.eps,
+                              cos, sin, slots)
+        else:
+            cache.store(1, *attn._kv(x, cos, sin, fused=True), slots)
+        caches.append(cache)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    written = torch.zeros(2, b, cache.capacity, dtype=torch.bool)
+    written[1, torch.arange(b)[:, None], slots.cpu()] = True
+    for new, ref, old in ((caches[1].k, caches[0].k, garbage[0]), (caches[1].v, caches[0].v, garbage[1])):
+        new, ref, old = (z.transpose(2, 3).cpu() for z in (new, ref, old))  # [2, b, cap, KV, d]
+        torch.testing.assert_close(new[written], ref[written], rtol=tol, atol=tol)
+        assert torch.equal(new[~written], old[~written])
+    if x.is_cuda:
+        taken = []
+        caches[0].store_heads = lambda *a: taken.append(a)
+        attn.store(caches[0], 1, x, cos, sin, slots)
+        assert taken
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_heads_kernel_on_cuda():
     check(torch.bfloat16, "cuda")
+    check_keys_values(torch.bfloat16, "cuda")
 
 
 def test_heads_kernel_in_triton_interpreter():
-    code = "import torch, test_heads as t\nt.check(torch.float32, 'cpu')\nt.check(torch.float16, 'cpu')\n"
+    code = ("import torch, test_heads as t\nt.check(torch.float32, 'cpu')\nt.check(torch.float16, 'cpu')\n"
+            "t.check_keys_values(torch.float32, 'cpu')\nt.check_keys_values(torch.float16, 'cpu')\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dflashkit.decode import delta
+from dflashkit.decode import delta, heads
 
 
 class KVCache:
@@ -113,6 +113,13 @@ class KVCache:
         (torch 2.11-2.13) sent an opaque op's in-place writes into two views of one buffer to the
         same place, every layer's keys into the first layer's slots."""
         store_kv(self.k, self.v, layer, k, v, slots)
+
+    def store_heads(self, layer: int, y: Tensor, kn: Tensor, eps: float, cos: Tensor, sin: Tensor, slots: Tensor) -> None:
+        """`store` of keys and values still to be made from a fused [k; v] projection's output y
+        [b, t, 2 kv_heads head_dim]: keys normalised by `kn` (eps) and rotated by cos/sin [b, 1, t,
+        head_dim], in one Triton kernel (`heads.heads` without queries; CUDA), through an opaque op
+        as `store`."""
+        store_kv_heads(self.k, self.v, layer, y, kn, eps, cos, sin, slots)
 
     def span(self, n: int, bucket: int = 1) -> int:
         """Slots a pass attends over to see the first n: n rounded up to a multiple of `bucket`
@@ -283,6 +290,19 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, layer: int, k: Tensor, v: Tensor,
 
 @store_kv.register_fake
 def _(k_cache: Tensor, v_cache: Tensor, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("dflashkit::store_kv_heads", mutates_args=("k_cache", "v_cache"))
+def store_kv_heads(k_cache: Tensor, v_cache: Tensor, layer: int, y: Tensor, kn: Tensor, eps: float, cos: Tensor,
+                   sin: Tensor, slots: Tensor) -> None:
+    """`KVCache.store_heads` as an opaque op (whole buffers and the layer's index, as `store_kv`)."""
+    heads.heads(y, None, kn, False, eps, cos, sin, k_cache[layer], v_cache[layer], slots, 0, k_cache.shape[2])
+
+
+@store_kv_heads.register_fake
+def _(k_cache: Tensor, v_cache: Tensor, layer: int, y: Tensor, kn: Tensor, eps: float, cos: Tensor, sin: Tensor,
+      slots: Tensor) -> None:
     return None
 
 

@@ -41,9 +41,10 @@ if triton is not None:
     @triton.jit
     def _heads(y_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, N, T, eps,
                sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
-               BT: tl.constexpr):
-        # rows = b * T + t, BT of them; head j of [q heads; k heads; v heads]
+               H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+               OFFSET: tl.constexpr, BT: tl.constexpr):
+        # rows = b * T + t, BT of them; head j of [q heads; k heads; v heads] (H = 0: no q heads);
+        # G = H // KV query heads per kv head (1 without queries)
         row = tl.program_id(0) * BT + tl.arange(0, BT)
         j = tl.program_id(1)
         live = row < N
@@ -83,9 +84,8 @@ if triton is not None:
             s2 = tl.load(sin_ptr + rope + D // 2, mask=at, other=0.0).to(tl.float32)
             o1 = x1 * c1 - x2 * s1  # x cos + rotate_half(x) sin
             o2 = x2 * c2 + x1 * s2
-            if j < H:  # query head j = kv head j // g, folded at (j % g) * T + t (`static.qkv`'s layout)
-                g = H // KV
-                dst = q_ptr + ((b[:, None] * KV + j // g) * g * T + (j % g) * T + t[:, None]) * D + half
+            if j < H:  # query head j = kv head j // G, folded at (j % G) * T + t (`static.qkv`'s layout)
+                dst = q_ptr + ((b[:, None] * KV + j // G) * G * T + (j % G) * T + t[:, None]) * D + half
                 tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=at)
                 tl.store(dst + D // 2, o2.to(q_ptr.dtype.element_ty), mask=at)
             else:
@@ -95,17 +95,20 @@ if triton is not None:
 
 
 def heads(y: Tensor, qn: Tensor | None, kn: Tensor | None, offset: bool, eps: float, cos: Tensor, sin: Tensor,
-          k: Tensor, v: Tensor, slots: Tensor, num_heads: int, kv_heads: int) -> Tensor:
+          k: Tensor, v: Tensor, slots: Tensor, num_heads: int, kv_heads: int) -> Tensor | None:
     """y [b, t, (H + 2 KV) d] (the fused projection's output), cos/sin [b, (1,) t, d], the layer's cache
     k/v [b, KV, capacity, d], slots [b, t] -> q [b, KV, g t, d] (`static.qkv`'s layout); keys
-    (normalised, rotated) and values written into k/v at the slots."""
+    (normalised, rotated) and values written into k/v at the slots. num_heads 0: y holds keys and
+    values alone [b, t, 2 KV d] (a drafter's new context and block, `drafter.Attention.store`),
+    and no queries are made (None)."""
     b, t, _ = y.shape
     d = k.shape[-1]
     y, cos, sin, slots = (x.contiguous() for x in (y, cos, sin, slots))
-    q = y.new_empty(b, kv_heads, (num_heads // kv_heads) * t, d)
-    norm = qn is not None
+    g = num_heads // kv_heads
+    q = y.new_empty(b, kv_heads, g * t, d) if num_heads else None
+    norm = kn is not None
     _heads[(triton.cdiv(b * t, BLOCK_T), num_heads + 2 * kv_heads)](
-        y, qn if norm else y, kn if norm else y, cos, sin, q, k, v, slots, b * t, t, eps,
+        y, qn if qn is not None else y, kn if norm else y, cos, sin, y if q is None else q, k, v, slots, b * t, t, eps,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        H=num_heads, KV=kv_heads, D=d, NORM=norm, OFFSET=offset, BT=BLOCK_T)
+        H=num_heads, KV=kv_heads, G=max(g, 1), D=d, NORM=norm, OFFSET=offset, BT=BLOCK_T)
     return q
