@@ -74,7 +74,8 @@ def check(dtype: torch.dtype, device: str) -> None:
 def check_keys_values(dtype: torch.dtype, device: str) -> None:
     """Without queries (a drafter's new context and block, `drafter.Attention.store`): the keys and
     values that the drafter's own `_kv` makes, written where `KVCache.store` writes them, into one
-    layer of a cache of two; nothing else touched. On CUDA, `Attention.store` takes this path."""
+    layer of a cache of two; nothing else touched. On CUDA, `Attention.store` takes this path; under
+    torch.compile it writes each layer as eager does."""
     from dflashkit.decode.cache import KVCache
     from dflashkit.decode.packed import fused_linear
     from dflashkit.drafter import Attention, DrafterConfig, rope_cos_sin
@@ -93,12 +94,17 @@ def check_keys_values(dtype: torch.dtype, device: str) -> None:
     x = torch.randn(b, t, cfg.hidden_size, generator=g).to(device, dtype)
     slots = (torch.randint(0, cap - t, (b,), generator=g)[:, None] + torch.arange(t)).to(device)
     cos, sin = rope_cos_sin(slots, d, cfg.rope_theta, dtype)
-    caches = []
-    for fused in (False, True):
+
+    def fresh() -> KVCache:
         cache = KVCache(2)
         cache.start(b, x.device)
         cache.reserve(cap)
         cache.allocate(x.new_empty(b, KV, 0, d))
+        return cache
+
+    caches = []
+    for fused in (False, True):
+        cache = fresh()
         if not caches:  # (the capacity allocated is aligned past `cap`)
             garbage = [torch.randn(cache.k.shape, generator=g).to(device, dtype) for _ in range(2)]
         cache.k.copy_(garbage[0])
@@ -121,6 +127,24 @@ def check_keys_values(dtype: torch.dtype, device: str) -> None:
         caches[0].store_heads = lambda *a: taken.append(a)
         attn.store(caches[0], 1, x, cos, sin, slots)
         assert taken
+    if dtype == torch.float16:
+        return
+    # Compiled, as a draft step is: Inductor over the layers of one buffer once sent an opaque op's
+    # writes for every layer into the first layer's slots. Each layer lands where eager puts it.
+    available = heads.available
+    heads.available = lambda *a: True  # the CUDA path (elsewhere through the interpreter)
+    try:
+        def both(cache: KVCache) -> None:
+            for layer in (0, 1):
+                attn.store(cache, layer, x + layer, cos, sin, slots)  # (a scale would leave normed keys alike)
+        eager, compiled = fresh(), fresh()
+        both(eager)
+        torch.compile(both, dynamic=True, fullgraph=True)(compiled)  # (the op traced, not a graph break)
+    finally:
+        heads.available = available
+    torch.testing.assert_close(compiled.k, eager.k, rtol=tol, atol=tol)
+    torch.testing.assert_close(compiled.v, eager.v, rtol=tol, atol=tol)
+    assert not torch.allclose(compiled.k[0], compiled.k[1], rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
