@@ -91,8 +91,9 @@ def fused_calls():
 def check_drafter(dtype: torch.dtype, device: str) -> None:
     """The drafter's layout (`drafter.attend_heads`: q [b, h, t, d], the g query heads of a KV head
     folded into the query axis, the mask repeated for each) through the fused kernel, at several
-    rows (a batched draft) over its context and block, equals SDPA; through `drafter.attend` a
-    draft takes that path, training (no `decoding`: it needs a backward) keeps SDPA."""
+    rows (a batched draft) over its context and block, equals SDPA, each token's heads written
+    together; through `drafter.attend` a draft takes that path, training (no `decoding`: it needs a
+    backward) keeps SDPA."""
     import torch.nn.functional as F
 
     from dflashkit import drafter
@@ -108,6 +109,7 @@ def check_drafter(dtype: torch.dtype, device: str) -> None:
     with fused_calls() as calls:
         got = drafter.attend_heads(q, k, v, mask)
         assert calls, "several rows did not attend through few_attention"
+        assert got.transpose(1, 2).is_contiguous()  # each token's heads together: no copy before o_proj
         if q.is_cuda:
             calls.clear()
             torch.testing.assert_close(drafter.attend(q, k, v, mask, True, decoding=True), got, rtol=0, atol=0)

@@ -245,11 +245,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any, gqa: bool, decoding: bool
 
 def attend_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """`attend_few` in `attend`'s layout: q [b, h, t, d] (query head i reads KV head i // g),
-    k/v [b, kv, K, d], mask additive [b, 1, t, K] -> [b, h, t, d]."""
+    k/v [b, kv, K, d], mask additive [b, 1, t, K] -> [b, h, t, d]. The fused kernel writes each
+    token's heads together (`few_attention.attend`'s tokens), returned as a transposed view: the
+    caller's transpose back to [b, t, h * d] for the output projection then copies nothing."""
     b, h, t, d = q.shape
     g = h // k.shape[1]
-    out = attend_few(q.reshape(b, k.shape[1], g * t, d), k, v, mask.repeat(1, 1, g, 1), d ** -0.5)
-    return out.view(b, h, t, d)
+    q, mask = q.reshape(b, k.shape[1], g * t, d), mask.repeat(1, 1, g, 1)
+    if few_attention.use(b, k.shape[-2], d, q.dtype, q.device):
+        return few_attention.attend(q, k, v, mask, d ** -0.5, t).view(b, t, h, d).transpose(1, 2)
+    return attend_few(q, k, v, mask, d ** -0.5).view(b, h, t, d)
 
 
 class Attention(nn.Module):
