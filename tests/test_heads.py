@@ -159,3 +159,41 @@ def test_heads_kernel_in_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def check_drafter_store() -> None:
+    """The bundled drafter on the SmolLM2 testbed, its draft compiled as on CUDA (`compile_drafter`,
+    fused [k; v] weights) with keys and values stored by the heads kernel (`drafter.Attention.store`;
+    here through Triton's interpreter, the attention on SDPA off CUDA), accepts what the PyTorch
+    path accepts, round by round, and decodes the same tokens."""
+    import types
+
+    from dflashkit import drafter as drafter_mod
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.data.prompts import load_prompts
+    from dflashkit.decode.loop import generate_batch
+    from dflashkit.decode.static import static_engine
+    from dflashkit.demo import bundled_drafter_dir
+    from dflashkit.evaluate import eval_prompts
+    from dflashkit.target import load_target
+
+    target = load_target()
+    drafter = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
+    prompts = [p.ids for p in eval_prompts(load_prompts("humaneval", limit=2), target.tokenizer)]
+    kw = dict(max_new_tokens=24, method="dflash")
+    ref = generate_batch(static_engine(target, drafter, fuse=True), prompts, **kw)
+    drafter_mod.heads = types.SimpleNamespace(available=lambda *a: True)  # the CUDA path, for the drafter alone
+    engine = static_engine(target, drafter, compile_drafter=True, fuse=True)  # (fused [k; v] weights, as on CUDA)
+    got = generate_batch(engine, prompts, **kw)
+    assert not engine.unchecked_draft  # the compiled draft was compared with an eager one
+    assert [g.tokens for g in got] == [r.tokens for r in ref]
+    assert [g.accept_lengths for g in got] == [r.accept_lengths for r in ref]
+    assert max(max(r.accept_lengths) for r in ref) > 2  # drafts that the target accepts: the comparison means something
+
+
+@pytest.mark.slow
+def test_drafter_store_kernel_drafts_as_pytorch_in_triton_interpreter(smollm2):
+    code = "import test_heads as t\nt.check_drafter_store()\n"  # (the fixture has cached the testbed)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
