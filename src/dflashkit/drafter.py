@@ -218,11 +218,10 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> T
     over 768 slots, against 9 us for these two small GEMMs and one fused softmax (compiled). Only
     for one row: from 4 rows of 16 queries at SmolLM2's head shapes (9 / 3 / 64) the flash kernel
     wins (18 against 9 us), at Qwen3-8B's it still loses (12 against 9 us)
-    (benchmarks/bench_attention.py, docs/benchmarks.md). Over long caches
-    (`few_attention.FROM_KEYS`; CUDA, bf16/fp16, Triton) `few_attention.attend` fuses the three
-    into one pass over the keys and a combine instead: it never writes the scores out."""
-    if few_attention.use(q.shape[0], k.shape[-2], q.shape[-1], q.dtype, q.device):
-        return few_attention.attend(q, k, v, mask, scale)
+    (benchmarks/bench_attention.py, docs/benchmarks.md). Where `few_attention.use` takes a pass
+    (long caches, several rows), its callers (`attend_heads`, the static runner) call
+    `few_attention.attend` instead, which fuses the three into one pass over the keys and a
+    combine: it never writes the scores out."""
     s = (q @ k.transpose(-1, -2)).float() * scale + mask
     return s.softmax(-1).to(v.dtype) @ v
 
