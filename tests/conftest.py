@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from dflashkit.decode.tree import Trees, best_first, chains
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
 from dflashkit.target import Target
+
+
+def in_triton_interpreter(code: str, timeout: float = 600) -> None:
+    """Run `code` in a subprocess with Triton's interpreter (chosen when the kernels are defined,
+    so not in this process), the tests' folder importable; fails with its stderr's tail."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def make_tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 128, seed: int = 0, tie: bool = True) -> Target:

@@ -6,13 +6,11 @@ chosen when the kernels are defined."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import in_triton_interpreter
 from dflashkit import few_attention
 
 pytestmark = pytest.mark.skipif(few_attention.triton is None, reason="Triton is not installed")
@@ -72,9 +70,7 @@ def test_fused_few_attention_in_triton_interpreter():
     code = ("import torch, test_few_attention as t\n"
             "t.check(torch.float32, 'cpu')\nt.CASES = t.CASES[1:2]\nt.check(torch.float16, 'cpu')\n"
             "t.few_attention.use = lambda *a: True\nt.check_drafter(torch.float32, 'cpu')\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    in_triton_interpreter(code)
 
 
 @contextlib.contextmanager

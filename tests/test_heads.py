@@ -7,13 +7,10 @@ chosen when the kernels are defined."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from conftest import in_triton_interpreter
 from dflashkit.decode import heads
 
 pytestmark = pytest.mark.skipif(heads.triton is None, reason="Triton is not installed")
@@ -156,9 +153,7 @@ def test_heads_kernel_on_cuda():
 def test_heads_kernel_in_triton_interpreter():
     code = ("import torch, test_heads as t\nt.check(torch.float32, 'cpu')\nt.check(torch.float16, 'cpu')\n"
             "t.check_keys_values(torch.float32, 'cpu')\nt.check_keys_values(torch.float16, 'cpu')\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    in_triton_interpreter(code)
 
 
 def check_drafter_store() -> None:
@@ -194,6 +189,4 @@ def check_drafter_store() -> None:
 @pytest.mark.slow
 def test_drafter_store_kernel_drafts_as_pytorch_in_triton_interpreter(smollm2):
     code = "import test_heads as t\nt.check_drafter_store()\n"  # (the fixture has cached the testbed)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    in_triton_interpreter(code, timeout=900)
