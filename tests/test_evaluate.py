@@ -209,7 +209,16 @@ def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys, monkeypa
     h = rep["headline"]["mine"]["dflash"]
     assert h["mean_tau"] > 1.3 and h["worst_suite"] in ("math", "multiturn")
     assert rep["drafters"]["mine"]["methods"]["dflash"]["identical"] is True
-    assert "| mine | dflash | " in (root / "suites" / "report.md").read_text()
+    md = (root / "suites" / "report.md").read_text()
+    assert "| mine | dflash | " in md
+    # Each suite keeps its own per-slot acceptance (pooled, they weigh by rounds), shown side by side.
+    per = {s: rep["suites"][s]["drafters"]["mine"]["dflash"] for s in lengths}
+    pooled = rep["drafters"]["mine"]["methods"]["dflash"]
+    assert pooled["slot_acceptance"] == pytest.approx([sum(m["slot_acceptance"][k] * m["rounds"] for m in per.values())
+                                                       / pooled["rounds"] for k in range(len(pooled["slot_acceptance"]))])
+    assert per["math"]["slot_acceptance"] != per["multiturn"]["slot_acceptance"] and per["math"]["slot_acceptance"][0] > 0
+    assert "Per-slot acceptance per suite" in md
+    assert all(" / ".join(f"{p:.2f}" for p in m["slot_acceptance"][:3]) in md for m in per.values())
     # Fewer draft tokens: another decoding setting, so --resume evaluates both suites again.
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
                "--methods", "dflash", "--out", str(root / "suites"), "target.device=cpu",

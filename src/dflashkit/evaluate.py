@@ -613,7 +613,7 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
         table[suite.name] = {"prompts": rep["prompts"], "max_new_tokens": suite.max_new_tokens,
                              "baseline_tokens_per_s": rep["baseline"]["tokens_per_s"],
                              "drafters": {n: {lab: {k: m[k] for k in ("tau", "rounds", "speedup", "identical", "mismatches",
-                                                                     "draft_sizes") if k in m}
+                                                                     "draft_sizes", "slot_acceptance") if k in m}
                                               for lab, m in d["methods"].items()} for n, d in rep["drafters"].items()}}
     report = pool_reports(parts)
     headline: dict[str, Any] = {}
@@ -852,6 +852,7 @@ def suite_table(report: dict[str, Any]) -> list[str]:
                 cells = [report["suites"][s]["drafters"][name][lab]["tau_interval"] for s in names]
                 lines.append(f"| {name} | {lab} | " + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in cells) +
                              " | {:.2f}-{:.2f} | {:.2f}-{:.2f} |".format(*h["mean_tau_interval"], *h["worst_to_best_interval"]))
+    lines += slot_table(report, names)
     if report.get("differences"):
         lines += ["", "τ differences between drafters on the same prompts, with paired 90 % intervals (an interval "
                   "that holds 0: these suites do not tell the two apart):", "",
@@ -860,6 +861,27 @@ def suite_table(report: dict[str, Any]) -> list[str]:
             for lab, d in methods.items():
                 lines.append(f"| {pair} | {lab} | " + " | ".join(
                     "{:+.2f} ({:+.2f} to {:+.2f})".format(d[s]["diff"], *d[s]["interval"]) for s in [*names, "mean"]) + " |")
+    return lines
+
+
+SLOT_COLUMNS = 3  # the first slots decide τ where it is low (P(τ > 1): the first draft token accepted)
+
+
+def slot_table(report: dict[str, Any], names: list[str]) -> list[str]:
+    """Where each suite's rounds stop: P(τ > k) for the first slots, per drafter and method. Two
+    suites of equal τ can differ here (one losing the first token, the other the later ones), which
+    tells what training on that kind of text should improve."""
+    first = report["suites"][names[0]]["drafters"]
+    if not all("slot_acceptance" in m for d in first.values() for m in d.values()):
+        return []  # a report saved before suites kept their slot acceptance
+    ks = " / ".join(f"P(τ > {k})" for k in range(1, SLOT_COLUMNS + 1))
+    lines = ["", f"Per-slot acceptance per suite ({ks}; every slot: report.json, suites.*.drafters):", "",
+             "| drafter | method | " + " | ".join(names) + " |", "| --- | --- | " + "---: | " * len(names)]
+    for name, methods in report["headline"].items():
+        for lab in methods:
+            cells = [" / ".join(f"{p:.2f}" for p in report["suites"][s]["drafters"][name][lab]["slot_acceptance"][:SLOT_COLUMNS])
+                     for s in names]
+            lines.append(f"| {name} | {lab} | " + " | ".join(cells) + " |")
     return lines
 
 
