@@ -876,7 +876,7 @@ def slot_table(report: dict[str, Any], names: list[str]) -> list[str]:
         return []  # a report saved before suites kept their slot acceptance
     ks = " / ".join(f"P(τ > {k})" for k in range(1, SLOT_COLUMNS + 1))
     lines = ["", f"Per-slot acceptance per suite ({ks}; every slot: report.json, suites.*.drafters):", "",
-             "| drafter | method | " + " | ".join(names) + " |", "| --- | --- | " + "---: | " * len(names)]
+             "| drafter | method | " + " | ".join(names) + " |", "| --- | --- |" + " ---: |" * len(names)]
     for name, methods in report["headline"].items():
         for lab in methods:
             cells = [" / ".join(f"{p:.2f}" for p in report["suites"][s]["drafters"][name][lab]["slot_acceptance"][:SLOT_COLUMNS])
