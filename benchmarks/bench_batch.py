@@ -36,7 +36,6 @@ whose tokens equal AR's at the same batch size and mode (greedy; bf16 near-ties 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ import torch
 
 from bench_decode import add_baseline_options, apply_baseline_options
 from dflashkit.commands import DRAFT_TOKENS_HELP, positive_int
-from dflashkit.checkpoint import load_drafter
+from dflashkit.checkpoint import atomic_write_json, load_drafter
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
 from dflashkit.decode.loop import generate_batch, make_engine
@@ -124,6 +123,13 @@ def timed(engine: Engine, groups: list[list[torch.Tensor]], kw: dict[str, Any]) 
     return seconds, gens, counts
 
 
+def save(path: str | None, payload: dict[str, Any]) -> None:
+    """The JSON so far, atomically: a run cut short (a command's time limit) keeps what it measured."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(path), payload)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["mode", "method", "batch", "tokens", "seconds", "tokens/s", "vs AR", "speed-up", "tau", "tail",
             "rounds", "ms/round", "occupancy", "joins", "captures", "identical"]
@@ -198,11 +204,14 @@ def main() -> None:
             # The methods take turns, trial after trial, so that a drift of the machine's speed
             # weighs on all of them alike; each row is its method's median trial.
             trials: list[list[tuple[float, list[Generation], dict]]] = [[] for _ in methods]
+            done: dict[str, list[dict[str, float]]] = {}  # each trial as it ends, for a run cut short
             for i in range(args.trials):
                 for method, runs, w in zip(methods, trials, work):
                     runs.append(timed(*w))
-                    if args.trials > 1:
-                        print(f"{mode} {method} batch {batch}, trial {i + 1}: {runs[-1][0]:.3f} s", flush=True)
+                    seconds, tokens = runs[-1][0], sum(len(g.tokens) for g in runs[-1][1])
+                    done.setdefault(method, []).append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+                    save(args.json, {"rows": rows, "unfinished": {"mode": mode, "batch": batch, "trials": done}})
+                    print(f"{mode} {method} batch {batch}, trial {i + 1}: {seconds:.3f} s, {tokens} tokens", flush=True)
             medians = [sorted(runs, key=lambda r: r[0])[len(runs) // 2] for runs in trials]
             ar_gens = medians[0][1]  # (--methods starts with ar)
             for method, runs, (seconds, gens, counts) in zip(methods, trials, medians):
@@ -224,9 +233,7 @@ def main() -> None:
                       f"{counts['batch_rounds']} rounds of {row['ms_per_round']:.2f} ms, occupancy {row['occupancy']:.2f}, "
                       f"{counts['joins']} joins ({counts['eager_joins']} groups eagerly), "
                       f"{counts['captures']} graphs captured", flush=True)
-            if args.json:  # after each batch size: a run cut short keeps what it measured
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
+            save(args.json, {"rows": rows})
 
     def ar(mode: str, batch: int) -> float:
         return next(a for a in rows if a["method"] == "ar" and a["mode"] == mode and a["batch"] == batch)["tokens_per_s"]
@@ -241,9 +248,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
                 "drafter": str(args.drafter or "bundled smollm2-drafter"), "draft_tokens": engines["spec"].block - 1}
     print(f"\n{settings}\n\n{table(rows)}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+    save(args.json, {"settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":
