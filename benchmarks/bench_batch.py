@@ -123,6 +123,16 @@ def timed(engine: Engine, groups: list[list[torch.Tensor]], kw: dict[str, Any]) 
     return seconds, gens, counts
 
 
+def tokens_of(gens: list[Generation]) -> int:
+    return sum(len(g.tokens) for g in gens)
+
+
+def trial(run: tuple[float, list[Generation], dict]) -> dict[str, float]:
+    """A timed pass as the JSON keeps it before its row exists."""
+    tokens = tokens_of(run[1])
+    return {"seconds": run[0], "tokens": tokens, "tokens_per_s": tokens / run[0]}
+
+
 def save(path: str | None, payload: dict[str, Any]) -> None:
     """The JSON so far, atomically: a run cut short (a command's time limit) keeps what it measured."""
     if path:
@@ -204,18 +214,18 @@ def main() -> None:
             # The methods take turns, trial after trial, so that a drift of the machine's speed
             # weighs on all of them alike; each row is its method's median trial.
             trials: list[list[tuple[float, list[Generation], dict]]] = [[] for _ in methods]
-            done: dict[str, list[dict[str, float]]] = {}  # each trial as it ends, for a run cut short
             for i in range(args.trials):
                 for method, runs, w in zip(methods, trials, work):
                     runs.append(timed(*w))
-                    seconds, tokens = runs[-1][0], sum(len(g.tokens) for g in runs[-1][1])
-                    done.setdefault(method, []).append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+                    done = {m: [trial(r) for r in rs] for m, rs in zip(methods, trials) if rs}  # for a run cut short
                     save(args.json, {"rows": rows, "unfinished": {"mode": mode, "batch": batch, "trials": done}})
-                    print(f"{mode} {method} batch {batch}, trial {i + 1}: {seconds:.3f} s, {tokens} tokens", flush=True)
+                    last = done[method][-1]
+                    print(f"{mode} {method} batch {batch}, trial {i + 1}: {last['seconds']:.3f} s, {last['tokens']} tokens",
+                          flush=True)
             medians = [sorted(runs, key=lambda r: r[0])[len(runs) // 2] for runs in trials]
             ar_gens = medians[0][1]  # (--methods starts with ar)
             for method, runs, (seconds, gens, counts) in zip(methods, trials, medians):
-                tokens = sum(len(g.tokens) for g in gens)
+                tokens = tokens_of(gens)
                 rounds = sum(g.rounds for g in gens)
                 row = {"mode": mode, "method": method, "batch": batch, "prompts": len(prompts), "tokens": tokens,
                        "seconds": seconds, "tokens_per_s": tokens / seconds, "trial_seconds": [r[0] for r in runs],
