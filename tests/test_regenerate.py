@@ -93,8 +93,9 @@ def test_local_kill_and_resume(tiny_dir, prompts_file, tmp_path, capsys):
 
 def test_rows_refilled_on_a_graph_engine_answer_as_whole_batches(tiny_dir, prompts_file, tmp_path, monkeypatch):
     """On an engine with fixed rows (CUDA graphs) a finished row takes the next prompt at once and
-    each answer is written as it ends: the answers are the whole batches' (greedy), and a run
-    resumed from a file holding some of them writes only the rest."""
+    each answer is written as it ends: the answers are the whole batches' (greedy), a run
+    resumed from a file holding some of them writes only the rest, and one resumed from a file
+    holding all of them (a --data-only run's) decodes nothing."""
     from dflashkit.decode import loop
 
     convs, params = load_prompts(prompts_file)[:12], GenerationParams(max_new_tokens=24)
@@ -116,6 +117,10 @@ def test_rows_refilled_on_a_graph_engine_answer_as_whole_batches(tiny_dir, promp
     refilled.write_text("".join(lines[:4]))  # an earlier run wrote these
     stats = regenerate_local(target, convs, refilled, params, batch_size=4)
     assert joins and stats.already_done == 4 and stats.written == 8
+    assert records(refilled) == records(whole)
+    joins.clear()
+    again = regenerate_local(target, convs, refilled, params, batch_size=4)
+    assert not joins and again.already_done == 12 and again.written == 0 and again.completion_tokens == 0
     assert records(refilled) == records(whole)
 
 

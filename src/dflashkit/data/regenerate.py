@@ -196,7 +196,7 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
 
         if decoder.fixed_rows:
             todo = [i for i in order if conversations[i].id not in done]
-            answers = ((todo[j], g) for j, g in decode(todo, rows=batch_size, refill=0))
+            answers = ((todo[j], g) for j, g in decode(todo, rows=batch_size, refill=0)) if todo else iter(())
         else:
             answers = ((batch[j], g) for batch in plan if not all(conversations[i].id in done for i in batch)
                        for j, g in decode(batch))
