@@ -95,7 +95,7 @@ def test_rows_refilled_on_a_graph_engine_answer_as_whole_batches(tiny_dir, promp
     """On an engine with fixed rows (CUDA graphs) a finished row takes the next prompt at once and
     each answer is written as it ends: the answers are the whole batches' (greedy), a run
     resumed from a file holding some of them writes only the rest, and one resumed from a file
-    holding all of them (a --data-only run's) decodes nothing."""
+    holding all of them (a --data-only run's) builds no engine and decodes nothing."""
     from dflashkit.decode import loop
 
     convs, params = load_prompts(prompts_file)[:12], GenerationParams(max_new_tokens=24)
@@ -104,9 +104,12 @@ def test_rows_refilled_on_a_graph_engine_answer_as_whole_batches(tiny_dir, promp
     regenerate_local(target, convs, whole, params, batch_size=4)
     make = loop.make_engine
 
+    built = []
+
     def fixed(*a, **kw):
         engine = make(*a, **kw)
         engine.fixed_rows = True
+        built.append(engine)
         return engine
 
     monkeypatch.setattr(loop, "make_engine", fixed)
@@ -118,9 +121,9 @@ def test_rows_refilled_on_a_graph_engine_answer_as_whole_batches(tiny_dir, promp
     stats = regenerate_local(target, convs, refilled, params, batch_size=4)
     assert joins and stats.already_done == 4 and stats.written == 8
     assert records(refilled) == records(whole)
-    joins.clear()
+    built.clear()
     again = regenerate_local(target, convs, refilled, params, batch_size=4)
-    assert not joins and again.already_done == 12 and again.written == 0 and again.completion_tokens == 0
+    assert not built and again.already_done == 12 and again.written == 0 and again.completion_tokens == 0
     assert records(refilled) == records(whole)
 
 

@@ -173,18 +173,20 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
     from dflashkit.vocab import stop_token_ids
 
     tok = target.tokenizer
-    stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
-    decoder = make_engine(target, None, engine)
-    contexts = [context_messages(c) for c in conversations]
-    ids = [prompt_ids(tok, m, thinking=params.thinking) for m in contexts]
-    # Longest first: little padding, and an out-of-memory shows at once. Whole batches: the plan
-    # covers every prompt, done or not, and a batch re-runs whole, so that batches (and thus the
-    # numerics of batched kernels) do not depend on where an earlier run stopped.
-    order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
-    plan = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     stats = RegenerateStats(prompts=len(conversations))
     with open_output(out_path, params) as (out, done):
         stats.already_done = sum(c.id in done for c in conversations)
+        if stats.already_done == len(conversations):  # e.g. a --data-only run's answers: no engine to build
+            return stats
+        stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+        decoder = make_engine(target, None, engine)
+        contexts = [context_messages(c) for c in conversations]
+        ids = [prompt_ids(tok, m, thinking=params.thinking) for m in contexts]
+        # Longest first: little padding, and an out-of-memory shows at once. Whole batches: the plan
+        # covers every prompt, done or not, and a batch re-runs whole, so that batches (and thus the
+        # numerics of batched kernels) do not depend on where an earlier run stopped.
+        order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
+        plan = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
         bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
         t0 = time.perf_counter()
 
@@ -196,7 +198,7 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
 
         if decoder.fixed_rows:
             todo = [i for i in order if conversations[i].id not in done]
-            answers = ((todo[j], g) for j, g in decode(todo, rows=batch_size, refill=0)) if todo else iter(())
+            answers = ((todo[j], g) for j, g in decode(todo, rows=batch_size, refill=0))
         else:
             answers = ((batch[j], g) for batch in plan if not all(conversations[i].id in done for i in batch)
                        for j, g in decode(batch))
