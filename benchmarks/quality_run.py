@@ -190,7 +190,7 @@ def main() -> None:
     clock.lap("load")
 
     d = cfg.data
-    convs = load_prompts(d.prompts, limit=d.limit, writer=writer(target, d.batch_size, d.seed, keep=out))
+    convs = load_prompts(d.prompts, limit=d.limit, writer=writer(target, d.batch_size, d.seed, keep=out, spec=d.self_prompts))
     clock.lap("prompts")
     regen = out / "regenerated.jsonl"
     rs = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=d.max_new_tokens), batch_size=d.batch_size)

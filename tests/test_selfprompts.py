@@ -35,9 +35,8 @@ def test_the_prefix_is_what_the_template_writes_before_a_users_message(smollm2):
 
 
 def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2, tmp_path: Path, monkeypatch):
-    spec = tmp_path / "spec.yaml"
+    spec = tmp_path / "spec.yaml"  # data.self_prompts
     spec.write_text(TINY_SPEC)
-    monkeypatch.setattr("dflashkit.data.selfprompts.spec_path", lambda: spec)
     near = near_evaluation()
     checked: list[str] = []
 
@@ -47,7 +46,7 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
 
     monkeypatch.setattr("dflashkit.data.prompts.near_evaluation", lambda: near_eval)
     # sources joined by '+'; 2 rows at a time, a finished message's row refilled with the next
-    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2, batch_size=2))
+    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2, batch_size=2, spec=spec))
     assert [c.source for c in convs] == ["self"] * 3 + ["builtin"] * 2
     convs = convs[:3]
     assert sorted(c.id.rsplit("-", 1)[0] for c in convs) == ["self-chat", "self-chat", "self-multiturn"]
@@ -69,7 +68,7 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
                  max_new_tokens=16, stop_ids=set(stop_token_ids(tok, smollm2.model.generation_config)))
     assert mt.messages[1]["content"] == tok.decode(g.tokens, skip_special_tokens=True).strip()
     # another seed (`data.seed`) writes other prompts
-    other = load_prompts("self:3", writer=writer(smollm2, batch_size=2, seed=1))
+    other = load_prompts("self:3", writer=writer(smollm2, batch_size=2, seed=1, spec=spec))
     assert not {m["content"].lower() for c in other for m in c.messages[::2]} & texts
 
 
@@ -77,7 +76,6 @@ def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2,
     spec_text = TINY_SPEC.replace('["", "What"]', '["", "What", "How", "Why", "Tell me", "Give me"]')
     spec = tmp_path / "spec.yaml"
     spec.write_text(spec_text)
-    monkeypatch.setattr("dflashkit.data.selfprompts.spec_path", lambda: spec)
     real = __import__("dflashkit.decode.loop", fromlist=["generate_batch"]).generate_batch
     calls: list[list[int]] = []  # per run: how many prompts each generate_batch call was given
 
@@ -96,7 +94,7 @@ def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2,
 
     def run(keep: Path | None = None) -> list[str]:  # as JSON, key order included
         return [json.dumps(vars(c)) for c in write_prompts(smollm2, 6, batch_size=2, chunk=2, near_eval=near_eval,
-                                                           keep=keep)]
+                                                           keep=keep, path=spec)]
 
     counting()
     whole = run()  # saves nothing
@@ -116,10 +114,22 @@ def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2,
         run(keep)
 
 
-def test_bad_self_prompt_sources_get_clear_errors(smollm2):
+def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path):
     with pytest.raises(ValueError, match="written by the target"):
         load_prompts("self:4")
     with pytest.raises(ValueError, match="self:N with N a positive"):
         load_prompts("self:x", writer=writer(smollm2))
     with pytest.raises(ValueError, match="in both"):
         load_prompts("builtin:3+builtin:3")
+    # data.self_prompts: checked before the target writes anything
+    spec = tmp_path / "spec.yaml"
+    with pytest.raises(ValueError, match=r"data.self_prompts: .*spec.yaml: no such file"):
+        load_prompts("self:2", writer=writer(smollm2, spec=spec))
+    for text, expected in [("weights: [chat\n", "not readable as YAML"),
+                           ("weights: {chat: 1}\n", "expected 'sampling', 'weights' and 'categories'"),
+                           (TINY_SPEC.replace("chat: 2", "chat: lots"), "a share >= 0"),
+                           (TINY_SPEC.replace("chat: 2, multiturn: 1", "chat: 0, multiturn: 0"), "not all 0"),
+                           (TINY_SPEC.replace('["How"]', "[]"), "non-empty list of 'openers'")]:
+        spec.write_text(text)
+        with pytest.raises(ValueError, match=f"data.self_prompts: .*spec.yaml: .*{expected}"):
+            load_prompts("self:2", writer=writer(smollm2, spec=spec))

@@ -86,6 +86,8 @@ class DataConfig(_Section):
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     thinking: Bool = Field(False, description="passed to the chat template as enable_thinking")
     batch_size: Int = Field(8, ge=1, description="`regenerate` (local) and self:N: rows decoded together")
+    self_prompts: str | None = Field(None, description="YAML of the categories, openers and shares that "
+                                     "'self:N' writes (None: the bundled dflashkit/assets/self_prompts.yaml)")
     seed: Seed = Field(0, description="sampling seed of `regenerate` when temperature > 0, and of "
                       "the prompts 'self:N' writes")
 

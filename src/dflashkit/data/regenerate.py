@@ -377,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
         # self-written prompts keep their progress beside the answers: a re-run resumes both
-        write = writer(target, d.batch_size, d.seed, keep=Path(out).parent)
+        write = writer(target, d.batch_size, d.seed, keep=Path(out).parent, spec=d.self_prompts)
         convs, problems = load_prompts_report(d.prompts, limit=d.limit, writer=write)
         stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
     else:

@@ -72,11 +72,11 @@ class _Draft:
     messages: list[dict]
 
 
-def writer(target: Any, batch_size: int | None = None, seed: int = 0,
-           keep: Path | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
-    """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``."""
+def writer(target: Any, batch_size: int | None = None, seed: int = 0, keep: Path | None = None,
+           spec: str | Path | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
+    """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``; spec: `data.self_prompts`."""
     return lambda count, near_eval: write_prompts(target, count, near_eval=near_eval, batch_size=batch_size,
-                                                  seed=seed, keep=keep)
+                                                  seed=seed, keep=keep, path=Path(spec) if spec else None)
 
 
 def progress_file(keep: Path, target: Any, count: int, seed: int, spec_text: str) -> Path:
@@ -90,6 +90,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                   chunk: int | None = None) -> list[Conversation]:
     """`count` conversations that end with a user message written by `target`, ids
     ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
+    path: the spec (`data.self_prompts`; default: the bundled one).
     batch_size: messages written at once, a finished one's row refilled (default 256 on a GPU, 16
     on a CPU). seed: another seed writes other prompts (`data.seed`).
     keep: a directory where progress is saved (atomically) after every `chunk` drafts (default 64
@@ -101,16 +102,26 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     from dflashkit.vocab import stop_token_ids
 
     path = path or spec_path()
+    if not path.is_file():
+        raise ValueError(f"data.self_prompts: {path}: no such file (expected a YAML of 'sampling', 'weights' and "
+                         f"'categories', as {spec_path()})")
     spec_text = path.read_text(encoding="utf-8")
-    spec = yaml.safe_load(spec_text)
+    try:
+        spec = yaml.safe_load(spec_text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"data.self_prompts: {path}: not readable as YAML ({e})") from None
     try:
         sampling, weights, categories = spec["sampling"], spec["weights"], spec["categories"]
         names = list(weights)
         openers = {c: categories[c]["openers"] for c in names}
         turns = {c: int(categories[c].get("turns", 1)) for c in names}
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: expected 'sampling', 'weights' and 'categories' with 'openers' for every "
-                         f"weighted category; missing {e}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"data.self_prompts: {path}: expected 'sampling', 'weights' and 'categories' with "
+                         f"'openers' for every weighted category; missing {e}") from None
+    bad = {c: w for c, w in weights.items() if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0}
+    if bad or not sum(weights.values()) > 0 or not all(isinstance(o, list) and o for o in openers.values()):
+        raise ValueError(f"data.self_prompts: {path}: expected 'weights' to give each category a share >= 0, "
+                         f"not all 0 (got {weights}), and every category a non-empty list of 'openers'")
     if count < 1:
         raise ValueError(f"self:{count}: expected a positive number of prompts")
     batch_size = batch_size or (256 if target.device.type == "cuda" else 16)
