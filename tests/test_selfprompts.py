@@ -128,6 +128,7 @@ def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path):
     for text, expected in [("weights: [chat\n", "not readable as YAML"),
                            ("weights: {chat: 1}\n", "expected 'sampling', 'weights' and 'categories'"),
                            (TINY_SPEC.replace("chat: 2", "chat: lots"), "a share >= 0"),
+                           (TINY_SPEC.replace("{chat: 2, multiturn: 1}", "[chat, multiturn]"), "a share >= 0"),
                            (TINY_SPEC.replace("chat: 2, multiturn: 1", "chat: 0, multiturn: 0"), "not all 0"),
                            (TINY_SPEC.replace('["How"]', "[]"), "non-empty list of 'openers'")]:
         spec.write_text(text)

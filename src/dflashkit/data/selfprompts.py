@@ -118,7 +118,8 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"data.self_prompts: {path}: expected 'sampling', 'weights' and 'categories' with "
                          f"'openers' for every weighted category; missing {e}") from None
-    bad = {c: w for c, w in weights.items() if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0}
+    bad = not isinstance(weights, dict) or any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0
+                                               for w in weights.values())
     if bad or not sum(weights.values()) > 0 or not all(isinstance(o, list) and o for o in openers.values()):
         raise ValueError(f"data.self_prompts: {path}: expected 'weights' to give each category a share >= 0, "
                          f"not all 0 (got {weights}), and every category a non-empty list of 'openers'")
