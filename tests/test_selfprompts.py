@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.cli import main
 from dflashkit.data.chat import prompt_ids, render
 from dflashkit.data.prompts import load_prompts, near_evaluation
 from dflashkit.data.selfprompts import progress_file, user_turn_prefix, write_prompts, writer
@@ -114,7 +115,7 @@ def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2,
         run(keep)
 
 
-def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path):
+def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="written by the target"):
         load_prompts("self:4")
     with pytest.raises(ValueError, match="self:N with N a positive"):
@@ -126,11 +127,18 @@ def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path):
     with pytest.raises(ValueError, match=r"data.self_prompts: .*spec.yaml: no such file"):
         load_prompts("self:2", writer=writer(smollm2, spec=spec))
     for text, expected in [("weights: [chat\n", "not readable as YAML"),
-                           ("weights: {chat: 1}\n", "expected 'sampling', 'weights' and 'categories'"),
+                           ("weights: {chat: 1}\n", "expected 'sampling'.*missing or bad: 'sampling'"),
+                           (TINY_SPEC.replace("temperature: 1.0, ", ""), "missing or bad: 'temperature'"),
                            (TINY_SPEC.replace("chat: 2", "chat: lots"), "a share >= 0"),
                            (TINY_SPEC.replace("{chat: 2, multiturn: 1}", "[chat, multiturn]"), "a share >= 0"),
                            (TINY_SPEC.replace("chat: 2, multiturn: 1", "chat: 0, multiturn: 0"), "not all 0"),
-                           (TINY_SPEC.replace('["How"]', "[]"), "non-empty list of 'openers'")]:
+                           (TINY_SPEC.replace('["How"]', "[]"), "non-empty list of 'openers'"),
+                           (TINY_SPEC.replace("turns: 2", "turns: 3"), "'turns' 1 or 2")]:
         spec.write_text(text)
         with pytest.raises(ValueError, match=f"data.self_prompts: .*spec.yaml: .*{expected}"):
             load_prompts("self:2", writer=writer(smollm2, spec=spec))
+    # `regenerate` reads the file before it loads the target (minutes for a large one)
+    monkeypatch.setattr("dflashkit.target.load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    assert main(["regenerate", "data.prompts=self:2", f"data.regenerated={tmp_path / 'r.jsonl'}",
+                 f"data.self_prompts={spec}"]) == 1
+    assert "'turns' 1 or 2" in capsys.readouterr().err

@@ -371,9 +371,11 @@ def run(args: argparse.Namespace) -> int:
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
-        from dflashkit.data.selfprompts import writer
+        from dflashkit.data.selfprompts import read_spec, writer
         from dflashkit.target import load_target
 
+        if "self:" in d.prompts:
+            read_spec(d.self_prompts)  # a bad file fails before the target loads
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
         # self-written prompts keep their progress beside the answers: a re-run resumes both

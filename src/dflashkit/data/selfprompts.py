@@ -64,6 +64,48 @@ def user_turn_prefix(tokenizer: Any, messages: list[dict]) -> str:
     return text[:text.index(_SENTINEL)]
 
 
+@dataclass(frozen=True)
+class Spec:
+    """A self-prompts file (`data.self_prompts`), checked."""
+    text: str  # as read: names the saved progress
+    sampling: dict[str, Any]  # temperature, top_p, max_new_tokens; answer_tokens (two-turn) optional
+    weights: dict[str, float]  # category -> share
+    openers: dict[str, list[str]]
+    turns: dict[str, int]  # 1, or 2 for a conversation
+
+
+def read_spec(path: Path | str | None = None) -> Spec:
+    """The file `data.self_prompts` names (default: the bundled one), or a ValueError naming what is
+    wrong in it; `regenerate` and `quality_run.py` call it before loading the target."""
+    path = Path(path) if path else spec_path()
+    where = f"data.self_prompts: {path}"
+    if not path.is_file():
+        raise ValueError(f"{where}: no such file (expected a YAML of 'sampling', 'weights' and 'categories', "
+                         f"as {spec_path()})")
+    text = path.read_text(encoding="utf-8")
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where}: not readable as YAML ({e})") from None
+    try:
+        sampling, weights, categories = spec["sampling"], spec["weights"], spec["categories"]
+        openers = {c: categories[c]["openers"] for c in weights}
+        turns = {c: categories[c].get("turns", 1) for c in weights}
+        for k in ("temperature", "top_p", "max_new_tokens"):
+            float(sampling[k])  # a missing or non-numeric setting fails here
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{where}: expected 'sampling' (temperature, top_p, max_new_tokens), 'weights' and "
+                         f"'categories' with 'openers' for every weighted category; missing or bad: {e}") from None
+    if not isinstance(weights, dict) or any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0
+                                            for w in weights.values()) or not sum(weights.values()) > 0:
+        raise ValueError(f"{where}: expected 'weights' to give each category a share >= 0, not all 0 (got {weights})")
+    empty = [c for c, o in openers.items() if not (isinstance(o, list) and o and all(isinstance(x, str) for x in o))]
+    if empty or any(t not in (1, 2) for t in turns.values()):
+        raise ValueError(f"{where}: expected every category a non-empty list of 'openers' (strings; \"\" leaves the "
+                         f"start to the target) and 'turns' 1 or 2 (got openers {openers}, turns {turns})")
+    return Spec(text, sampling, weights, openers, turns)
+
+
 @dataclass
 class _Draft:
     category: str
@@ -90,7 +132,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                   chunk: int | None = None) -> list[Conversation]:
     """`count` conversations that end with a user message written by `target`, ids
     ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
-    path: the spec (`data.self_prompts`; default: the bundled one).
+    path: the spec (`data.self_prompts`, `read_spec`; default: the bundled one).
     batch_size: messages written at once, a finished one's row refilled (default 256 on a GPU, 16
     on a CPU). seed: another seed writes other prompts (`data.seed`).
     keep: a directory where progress is saved (atomically) after every `chunk` drafts (default 64
@@ -101,33 +143,13 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
 
-    path = path or spec_path()
-    if not path.is_file():
-        raise ValueError(f"data.self_prompts: {path}: no such file (expected a YAML of 'sampling', 'weights' and "
-                         f"'categories', as {spec_path()})")
-    spec_text = path.read_text(encoding="utf-8")
-    try:
-        spec = yaml.safe_load(spec_text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"data.self_prompts: {path}: not readable as YAML ({e})") from None
-    try:
-        sampling, weights, categories = spec["sampling"], spec["weights"], spec["categories"]
-        names = list(weights)
-        openers = {c: categories[c]["openers"] for c in names}
-        turns = {c: int(categories[c].get("turns", 1)) for c in names}
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"data.self_prompts: {path}: expected 'sampling', 'weights' and 'categories' with "
-                         f"'openers' for every weighted category; missing {e}") from None
-    bad = not isinstance(weights, dict) or any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0
-                                               for w in weights.values())
-    if bad or not sum(weights.values()) > 0 or not all(isinstance(o, list) and o for o in openers.values()):
-        raise ValueError(f"data.self_prompts: {path}: expected 'weights' to give each category a share >= 0, "
-                         f"not all 0 (got {weights}), and every category a non-empty list of 'openers'")
+    spec = read_spec(path)
+    sampling, weights, openers, turns, names = spec.sampling, spec.weights, spec.openers, spec.turns, list(spec.weights)
     if count < 1:
         raise ValueError(f"self:{count}: expected a positive number of prompts")
     batch_size = batch_size or (256 if target.device.type == "cuda" else 16)
     chunk = chunk or 64 * batch_size
-    saved = progress_file(keep, target, count, seed, spec_text) if keep is not None else None
+    saved = progress_file(keep, target, count, seed, spec.text) if keep is not None else None
     if saved is not None:
         saved.parent.mkdir(parents=True, exist_ok=True)
     state = _read_progress(saved) if saved is not None and saved.is_file() else None
