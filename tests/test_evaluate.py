@@ -219,6 +219,12 @@ def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys, monkeypa
     assert per["math"]["slot_acceptance"] != per["multiturn"]["slot_acceptance"] and per["math"]["slot_acceptance"][0] > 0
     assert "Per-slot acceptance per suite" in md
     assert all(" / ".join(f"{p:.2f}" for p in m["slot_acceptance"][:3]) in md for m in per.values())
+    # each prompt keeps its request (a conversation's last user message), by which the report names
+    # each suite's lowest- and highest-τ prompt
+    follow_up = [m["content"] for m in prompts_mod.load_suite("multiturn", 1)[0].messages if m["role"] == "user"][-1]
+    assert rep["per_prompt"][1]["request"] == " ".join(follow_up.split())[:90]
+    for r in rep["per_prompt"]:
+        assert f"| {r['suite']} | {r['tau']['mine/dflash']:.2f} {r['id']}: {r['request']} |" in md
     # Fewer draft tokens: another decoding setting, so --resume evaluates both suites again.
     rc = main(["eval", "--drafter", f"mine={root / 'ref'}", "--suites", "math,multiturn", "--limit", "1",
                "--methods", "dflash", "--out", str(root / "suites"), "target.device=cpu",
@@ -306,6 +312,10 @@ def test_evaluate_suites_side_by_side_mean_and_worst(tmp_path):
     md = markdown(rep)
     assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
     assert "90 % intervals over prompts" in md
+    # each suite's lowest-τ prompt (the first drafter and method), named by id where no request is known
+    lows = {s: min((r for r in rep["per_prompt"] if r["suite"] == s), key=lambda r: r["tau"]["d/dflash"]) for s in "ab"}
+    assert "Lowest and highest τ per suite (d, dflash" in md
+    assert all(f"| {s} | {r['tau']['d/dflash']:.2f} {r['id']} |" in md for s, r in lows.items())
     # a second drafter, its τ a token ahead on every prompt: paired, it is ahead by exactly that
     rep["drafters"]["e"] = rep["drafters"]["d"]
     rep["headline"]["e"] = {lab: {**h, "mean_tau": h["mean_tau"] + 1} for lab, h in rep["headline"]["d"].items()}

@@ -257,6 +257,10 @@ def load_target_head(name_or_path: str | None = None, *, gguf_file: str | None =
 class Prompt:
     id: str
     ids: Tensor  # [1, T]
+    text: str = ""  # the request answered (its last user message): the report names the hardest prompts by it
+
+
+REQUEST_CHARS = 90  # of a request, kept per prompt in report.json
 
 
 def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -> list[Prompt]:
@@ -264,7 +268,13 @@ def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -
     from dflashkit.data.chat import prompt_ids
     from dflashkit.data.regenerate import context_messages
 
-    return [Prompt(c.id, torch.tensor([prompt_ids(tokenizer, context_messages(c), thinking=thinking)])) for c in convs]
+    out = []
+    for c in convs:
+        messages = context_messages(c)
+        request = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        out.append(Prompt(c.id, torch.tensor([prompt_ids(tokenizer, messages, thinking=thinking)]),
+                          " ".join(str(request).split())[:REQUEST_CHARS]))
+    return out
 
 
 # A parting counts as numerical when both tokens are within this many units in the last place (of
@@ -450,6 +460,8 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         base["seconds"] += ar.prefill_seconds + ar.decode_seconds
         base["decode_seconds"] += ar.decode_seconds
         row = {"id": pr.id, "prompt_tokens": pr.ids.shape[1], "ar_tokens": len(ar.tokens), "tau": {}}
+        if pr.text:
+            row["request"] = pr.text
         for name, eng in engines.items():
             for lab, method, budget in labels:
                 g = generate(eng, pr.ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"), **kw)
@@ -853,6 +865,7 @@ def suite_table(report: dict[str, Any]) -> list[str]:
                 lines.append(f"| {name} | {lab} | " + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in cells) +
                              " | {:.2f}-{:.2f} | {:.2f}-{:.2f} |".format(*h["mean_tau_interval"], *h["worst_to_best_interval"]))
     lines += slot_table(report, names)
+    lines += extremes_table(report, names)
     if report.get("differences"):
         lines += ["", "τ differences between drafters on the same prompts, with paired 90 % intervals (an interval "
                   "that holds 0: these suites do not tell the two apart):", "",
@@ -879,6 +892,26 @@ def slot_table(report: dict[str, Any], names: list[str]) -> list[str]:
             cells = [" / ".join(f"{p:.2f}" for p in report["suites"][s]["drafters"][name][lab]["slot_acceptance"][:SLOT_COLUMNS])
                      for s in names]
             lines.append(f"| {name} | {lab} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def extremes_table(report: dict[str, Any], names: list[str]) -> list[str]:
+    """Per suite, the prompt of the lowest and of the highest τ for the first drafter named (DFlash
+    where it ran): which requests a drafter serves worst (e.g. explanations of facts) is what a mean hides."""
+    name = next(iter(report["drafters"]))
+    lab = "dflash" if "dflash" in report["headline"][name] else next(iter(report["headline"][name]))
+    key = f"{name}/{lab}"
+
+    def cell(row: dict[str, Any]) -> str:
+        request = row.get("request", "").replace("|", "\\|")
+        return f"{row['tau'][key]:.2f} {row['id']}" + (f": {request}" if request else "")
+
+    lines = ["", f"Lowest and highest τ per suite ({name}, {lab}; every prompt: report.json, per_prompt):", "",
+             "| suite | lowest | highest |", "| --- | --- | --- |"]
+    for s in names:
+        rows = sorted((r for r in report["per_prompt"] if r.get("suite") == s and key in r["tau"]), key=lambda r: r["tau"][key])
+        if rows:
+            lines.append(f"| {s} | {cell(rows[0])} | {cell(rows[-1])} |")
     return lines
 
 
