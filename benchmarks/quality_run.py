@@ -185,14 +185,14 @@ def main() -> None:
     cfg = load_config(a.config, a.overrides)
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if "self:" in cfg.data.prompts:
-        read_spec(cfg.data.self_prompts)  # a bad file fails before the target loads
+    # a bad self-prompts file fails here, before the target loads
+    spec = read_spec(cfg.data.self_prompts) if "self:" in cfg.data.prompts else None
     device = resolve_device(cfg.target.device)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
     clock.lap("load")
 
     d = cfg.data
-    convs = load_prompts(d.prompts, limit=d.limit, writer=writer(target, d.batch_size, d.seed, keep=out, spec=d.self_prompts))
+    convs = load_prompts(d.prompts, limit=d.limit, writer=writer(target, d.batch_size, d.seed, keep=out, spec=spec))
     clock.lap("prompts")
     regen = out / "regenerated.jsonl"
     rs = regenerate_local(target, convs, regen, GenerationParams(max_new_tokens=d.max_new_tokens), batch_size=d.batch_size)

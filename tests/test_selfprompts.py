@@ -12,7 +12,7 @@ import torch
 from dflashkit.cli import main
 from dflashkit.data.chat import prompt_ids, render
 from dflashkit.data.prompts import load_prompts, near_evaluation
-from dflashkit.data.selfprompts import progress_file, user_turn_prefix, write_prompts, writer
+from dflashkit.data.selfprompts import progress_file, read_spec, user_turn_prefix, write_prompts, writer
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.vocab import stop_token_ids
 
@@ -47,7 +47,7 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
 
     monkeypatch.setattr("dflashkit.data.prompts.near_evaluation", lambda: near_eval)
     # sources joined by '+'; 2 rows at a time, a finished message's row refilled with the next
-    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2, batch_size=2, spec=spec))
+    convs = load_prompts("self:3+builtin:2", writer=writer(smollm2, batch_size=2, spec=read_spec(spec)))
     assert [c.source for c in convs] == ["self"] * 3 + ["builtin"] * 2
     convs = convs[:3]
     assert sorted(c.id.rsplit("-", 1)[0] for c in convs) == ["self-chat", "self-chat", "self-multiturn"]
@@ -69,7 +69,7 @@ def test_the_target_writes_finished_new_prompts_away_from_the_evaluation(smollm2
                  max_new_tokens=16, stop_ids=set(stop_token_ids(tok, smollm2.model.generation_config)))
     assert mt.messages[1]["content"] == tok.decode(g.tokens, skip_special_tokens=True).strip()
     # another seed (`data.seed`) writes other prompts
-    other = load_prompts("self:3", writer=writer(smollm2, batch_size=2, seed=1, spec=spec))
+    other = load_prompts("self:3", writer=writer(smollm2, batch_size=2, seed=1, spec=read_spec(spec)))
     assert not {m["content"].lower() for c in other for m in c.messages[::2]} & texts
 
 
@@ -95,7 +95,7 @@ def test_an_interrupted_writer_resumes_without_losing_or_repeating_work(smollm2,
 
     def run(keep: Path | None = None) -> list[str]:  # as JSON, key order included
         return [json.dumps(vars(c)) for c in write_prompts(smollm2, 6, batch_size=2, chunk=2, near_eval=near_eval,
-                                                           keep=keep, path=spec)]
+                                                           keep=keep, spec=read_spec(spec))]
 
     counting()
     whole = run()  # saves nothing
@@ -125,7 +125,7 @@ def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path, monke
     # data.self_prompts: checked before the target writes anything
     spec = tmp_path / "spec.yaml"
     with pytest.raises(ValueError, match=r"data.self_prompts: .*spec.yaml: no such file"):
-        load_prompts("self:2", writer=writer(smollm2, spec=spec))
+        read_spec(spec)
     for text, expected in [("weights: [chat\n", "not readable as YAML"),
                            ("weights: {chat: 1}\n", "expected 'sampling'.*missing or bad: 'sampling'"),
                            (TINY_SPEC.replace("temperature: 1.0, ", ""), "missing or bad: 'temperature'"),
@@ -136,7 +136,7 @@ def test_bad_self_prompt_sources_get_clear_errors(smollm2, tmp_path: Path, monke
                            (TINY_SPEC.replace("turns: 2", "turns: 3"), "'turns' 1 or 2")]:
         spec.write_text(text)
         with pytest.raises(ValueError, match=f"data.self_prompts: .*spec.yaml: .*{expected}"):
-            load_prompts("self:2", writer=writer(smollm2, spec=spec))
+            read_spec(spec)
     # `regenerate` reads the file before it loads the target (minutes for a large one)
     monkeypatch.setattr("dflashkit.target.load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     assert main(["regenerate", "data.prompts=self:2", f"data.regenerated={tmp_path / 'r.jsonl'}",

@@ -374,12 +374,12 @@ def run(args: argparse.Namespace) -> int:
         from dflashkit.data.selfprompts import read_spec, writer
         from dflashkit.target import load_target
 
-        if "self:" in d.prompts:
-            read_spec(d.self_prompts)  # a bad file fails before the target loads
+        # a bad self-prompts file fails here, before the target loads (minutes for a large one)
+        spec = read_spec(d.self_prompts) if "self:" in d.prompts else None
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
         # self-written prompts keep their progress beside the answers: a re-run resumes both
-        write = writer(target, d.batch_size, d.seed, keep=Path(out).parent, spec=d.self_prompts)
+        write = writer(target, d.batch_size, d.seed, keep=Path(out).parent, spec=spec)
         convs, problems = load_prompts_report(d.prompts, limit=d.limit, writer=write)
         stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
     else:

@@ -76,7 +76,7 @@ class Spec:
 
 def read_spec(path: Path | str | None = None) -> Spec:
     """The file `data.self_prompts` names (default: the bundled one), or a ValueError naming what is
-    wrong in it; `regenerate` and `quality_run.py` call it before loading the target."""
+    wrong in it; `regenerate` and `quality_run.py` read it once, before loading the target."""
     path = Path(path) if path else spec_path()
     where = f"data.self_prompts: {path}"
     if not path.is_file():
@@ -115,10 +115,10 @@ class _Draft:
 
 
 def writer(target: Any, batch_size: int | None = None, seed: int = 0, keep: Path | None = None,
-           spec: str | Path | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
-    """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``; spec: `data.self_prompts`."""
+           spec: Spec | None = None) -> Callable[[int, Callable[[str], bool]], list[Conversation]]:
+    """What `data.prompts.load_prompts(writer=...)` calls for ``self:N``; spec: `read_spec(data.self_prompts)`."""
     return lambda count, near_eval: write_prompts(target, count, near_eval=near_eval, batch_size=batch_size,
-                                                  seed=seed, keep=keep, path=Path(spec) if spec else None)
+                                                  seed=seed, keep=keep, spec=spec)
 
 
 def progress_file(keep: Path, target: Any, count: int, seed: int, spec_text: str) -> Path:
@@ -128,11 +128,11 @@ def progress_file(keep: Path, target: Any, count: int, seed: int, spec_text: str
 
 
 def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] | None = None, seed: int = 0,
-                  batch_size: int | None = None, path: Path | None = None, keep: Path | None = None,
+                  batch_size: int | None = None, spec: Spec | None = None, keep: Path | None = None,
                   chunk: int | None = None) -> list[Conversation]:
     """`count` conversations that end with a user message written by `target`, ids
     ``self-<category>-NNNNN``, categories interleaved (any prefix covers all of them).
-    path: the spec (`data.self_prompts`, `read_spec`; default: the bundled one).
+    spec: categories, openers and shares (`read_spec`; default: the bundled file).
     batch_size: messages written at once, a finished one's row refilled (default 256 on a GPU, 16
     on a CPU). seed: another seed writes other prompts (`data.seed`).
     keep: a directory where progress is saved (atomically) after every `chunk` drafts (default 64
@@ -143,7 +143,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     from dflashkit.decode.loop import generate_batch, make_engine
     from dflashkit.vocab import stop_token_ids
 
-    spec = read_spec(path)
+    spec = spec or read_spec()
     sampling, weights, openers, turns, names = spec.sampling, spec.weights, spec.openers, spec.turns, list(spec.weights)
     if count < 1:
         raise ValueError(f"self:{count}: expected a positive number of prompts")
