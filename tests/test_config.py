@@ -124,3 +124,18 @@ def test_cli_error_boundary(tmp_path, capsys, monkeypatch):
         main(["config", "--debug"])
     with pytest.raises(SystemExit):  # not an override: argparse's usage error
         main(["config", "--bogus"])
+
+
+def test_every_shipped_config_file_validates():
+    # a recipe in configs/ that no longer loads would fail a user at the start of a GPU job
+    from pathlib import Path
+
+    from dflashkit.data.selfprompts import read_spec
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for f in configs:
+        if f.name.startswith("self_prompts"):  # a `data.self_prompts` file, not a Config
+            assert read_spec(f).weights["chat"] > 0, f
+        else:
+            load_config(f)
