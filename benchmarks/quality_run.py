@@ -43,7 +43,7 @@ from dflashkit.config import load_config  # noqa: E402
 from dflashkit.data.chat import TokenizeStats, load_tokenized, tokenize_file  # noqa: E402
 from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite  # noqa: E402
 from dflashkit.data.regenerate import GenerationParams, probe_samples, regenerate_local  # noqa: E402
-from dflashkit.data.selfprompts import read_spec, writer  # noqa: E402
+from dflashkit.data.selfprompts import spec_for, writer  # noqa: E402
 from dflashkit.demo import bundled_drafter_dir  # noqa: E402
 from dflashkit.evaluate import (  # noqa: E402
     check_partings, eval_prompts, evaluate_suites, markdown, parting_summary, tau_sim_vs_online, training_tau_sim,
@@ -185,8 +185,7 @@ def main() -> None:
     cfg = load_config(a.config, a.overrides)
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # a bad self-prompts file fails here, before the target loads
-    spec = read_spec(cfg.data.self_prompts) if "self:" in cfg.data.prompts else None
+    spec = spec_for(cfg.data.prompts, cfg.data.self_prompts)  # (before the target loads)
     device = resolve_device(cfg.target.device)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
     clock.lap("load")

@@ -371,11 +371,10 @@ def run(args: argparse.Namespace) -> int:
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
-        from dflashkit.data.selfprompts import read_spec, writer
+        from dflashkit.data.selfprompts import spec_for, writer
         from dflashkit.target import load_target
 
-        # a bad self-prompts file fails here, before the target loads (minutes for a large one)
-        spec = read_spec(d.self_prompts) if "self:" in d.prompts else None
+        spec = spec_for(d.prompts, d.self_prompts)
         target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                              device=resolve_device(cfg.target.device))
         # self-written prompts keep their progress beside the answers: a re-run resumes both

@@ -106,6 +106,12 @@ def read_spec(path: Path | str | None = None) -> Spec:
     return Spec(text, sampling, weights, openers, turns)
 
 
+def spec_for(prompts: str, path: Path | str | None) -> Spec | None:
+    """`read_spec(path)` where `data.prompts` has the target write prompts (``self:N``), else None:
+    called before the target loads, so that a bad file fails in seconds, not after minutes."""
+    return read_spec(path) if "self:" in prompts else None
+
+
 @dataclass
 class _Draft:
     category: str
