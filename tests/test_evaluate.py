@@ -312,6 +312,8 @@ def test_evaluate_suites_side_by_side_mean_and_worst(tmp_path):
     md = markdown(rep)
     assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
     assert "90 % intervals over prompts" in md
+    # on a GPU, a report says that its τ compare only with the same command's (docs/recipe.md)
+    assert "On a GPU" not in md and "On a GPU, where the near-ties fall" in markdown({**rep, "device": "cuda"})
     # each suite's lowest-τ prompt (the first drafter and method), named by id where no request is known
     lows = {s: min((r for r in rep["per_prompt"] if r["suite"] == s), key=lambda r: r["tau"]["d/dflash"]) for s in "ab"}
     assert "Lowest and highest τ per suite (d, dflash" in md

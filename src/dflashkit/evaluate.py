@@ -769,6 +769,9 @@ def markdown(report: dict[str, Any]) -> str:
                   "at the same position puts the two tokens as close as both passes' own measured errors allow (or "
                   "closer than either pass's error) and the verification pass is about as exact as the one-token "
                   "step (report.json: per_prompt[].partings, `float32`); any other parting fails the evaluation."]
+        if str(report.get("device", "")).startswith("cuda"):  # docs/recipe.md, "How far a suite's τ could move"
+            lines.append("On a GPU, where the near-ties fall also depends on what else a run decodes (suites, drafters, "
+                         "methods): compare drafters within one report, not across runs of different commands.")
     return "\n".join(lines) + "\n"
 
 
