@@ -20,6 +20,7 @@ positions as on the best suite's, and the gap is how sure the target is of its o
 
     python benchmarks/suite_confidence.py --json runs/suite-confidence.json                 # fp32 CPU
     python benchmarks/suite_confidence.py --dtype bfloat16 --suites chat --json out.json    # bf16 target + drafter
+    python benchmarks/suite_confidence.py --target MODEL_DIR --drafter DRAFTER_DIR --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def drafted_tokens(target, drafter, prompt: torch.Tensor, answer: list[int]) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suites", default=",".join(s.name for s in EVAL_SUITES), help="comma list (default: every suite)")
+    p.add_argument("--target", default=None, help="target: a directory, a .gguf file or a testbed name (default: the "
+                   "embedded SmolLM2-135M-Instruct); another target needs its own --drafter")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's and drafter's")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the bundled SmolLM2 drafter)")
@@ -82,7 +85,9 @@ def main() -> None:
     p.add_argument("--json", help="write the tables here")
     args = p.parse_args()
     suites = [get_suite(name) for name in args.suites.split(",")]
-    target = load_target(None, dtype=args.dtype, device=args.device)
+    if args.target is not None and args.drafter is None:
+        p.error("--target: give the drafter trained for it with --drafter (the bundled one is SmolLM2's)")
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
     engine = static_engine(target, drafter)
@@ -120,7 +125,7 @@ def main() -> None:
         print(f"| {r['suite']} | " + " | ".join(cells) + f" | {r['hit_rate']:.3f} | {r['at_best_mix']:.3f} | "
               f"{r['hit_rate'] - best['hit_rate']:+.3f} | {r['at_best_mix'] - best['hit_rate']:+.3f} |")
     if args.json:
-        settings = {"device": args.device, "dtype": args.dtype, "drafter": str(args.drafter or "bundled smollm2-drafter"),
+        settings = {"target": args.target or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype, "drafter": str(args.drafter or "bundled smollm2-drafter"),
                     "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "limit": args.limit,
                     "bins": BINS}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
