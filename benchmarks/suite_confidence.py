@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from dflashkit.checkpoint import load_drafter
+from dflashkit.checkpoint import atomic_write_bytes, load_drafter
 from dflashkit.data.features import FeatureSample
 from dflashkit.data.prompts import EVAL_SUITES, get_suite, load_prompts
 from dflashkit.decode.loop import generate_batch
@@ -97,7 +98,8 @@ def main() -> None:
         prompts = [pr.ids[0] for pr in eval_prompts(load_prompts(f"suite:{suite.name}", limit=args.limit), target.tokenizer)]
         gens = generate_batch(engine, prompts, max_new_tokens=suite.max_new_tokens, method="dflash", stop_ids=stops)
         probs, drafted = [], []
-        for pr, g in zip(prompts, gens):
+        for pr, g in tqdm(list(zip(prompts, gens)), desc=f"{suite.name}: drafting at every position", unit="answer",
+                          disable=None):
             q, d = drafted_tokens(target, drafter, pr, g.tokens)
             probs += q
             drafted += d
@@ -125,11 +127,12 @@ def main() -> None:
         print(f"| {r['suite']} | " + " | ".join(cells) + f" | {r['hit_rate']:.3f} | {r['at_best_mix']:.3f} | "
               f"{r['hit_rate'] - best['hit_rate']:+.3f} | {r['at_best_mix'] - best['hit_rate']:+.3f} |")
     if args.json:
-        settings = {"target": args.target or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype, "drafter": str(args.drafter or "bundled smollm2-drafter"),
+        settings = {"target": args.target or "SmolLM2-135M-Instruct (default)", "device": args.device,
+                    "dtype": args.dtype, "drafter": str(args.drafter or "bundled smollm2-drafter"),
                     "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "limit": args.limit,
                     "bins": BINS}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+        atomic_write_bytes(Path(args.json), json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
 
 
 if __name__ == "__main__":
