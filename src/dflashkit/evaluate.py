@@ -270,10 +270,9 @@ def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -
 
     out = []
     for c in convs:
-        messages = context_messages(c)
-        request = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        messages = context_messages(c)  # (it ends with the request)
         out.append(Prompt(c.id, torch.tensor([prompt_ids(tokenizer, messages, thinking=thinking)]),
-                          " ".join(str(request).split())[:REQUEST_CHARS]))
+                          " ".join(messages[-1]["content"].split())[:REQUEST_CHARS]))
     return out
 
 
