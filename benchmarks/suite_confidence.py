@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dflashkit.checkpoint import atomic_write_bytes, load_drafter
 from dflashkit.data.features import FeatureSample
@@ -41,6 +40,7 @@ from dflashkit.decode.loop import generate_batch
 from dflashkit.decode.static import static_engine
 from dflashkit.demo import bundled_drafter_dir
 from dflashkit.evaluate import eval_prompts, offline_accepted, summarize
+from dflashkit.progress import progress
 from dflashkit.target import load_target
 from dflashkit.vocab import stop_token_ids
 
@@ -98,8 +98,7 @@ def main() -> None:
         prompts = [pr.ids[0] for pr in eval_prompts(load_prompts(f"suite:{suite.name}", limit=args.limit), target.tokenizer)]
         gens = generate_batch(engine, prompts, max_new_tokens=suite.max_new_tokens, method="dflash", stop_ids=stops)
         probs, drafted = [], []
-        for pr, g in tqdm(list(zip(prompts, gens)), desc=f"{suite.name}: drafting at every position", unit="answer",
-                          disable=None):
+        for pr, g in progress(list(zip(prompts, gens)), desc=f"{suite.name}: drafting at every position", unit="answer"):
             q, d = drafted_tokens(target, drafter, pr, g.tokens)
             probs += q
             drafted += d

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from dflashkit.checkpoint import CheckpointError, load_config, load_drafter, target_problems
 from dflashkit.drafter import SLIDING, DrafterConfig, default_gamma
+from dflashkit.progress import progress
 
 ERROR, WARNING, OK = "error", "warning", "ok"
 
@@ -231,7 +230,7 @@ def _tokenized_samples(path: Path, tokenizer: Any, limit: int | None) -> tuple[l
         findings.append(Finding(WARNING, "data", f"{unsupervised} of {len(ids)} samples have no supervised token "
                                                  "(loss_mask all 0): they cost time and teach nothing"))
     V = len(tokenizer)
-    texts = [tokenizer.decode([t for t in x if t < V]) for x in tqdm(ids, desc="doctor: decode", unit="sample", disable=None)]
+    texts = [tokenizer.decode([t for t in x if t < V]) for x in progress(ids, desc="doctor: decode", unit="sample")]
     return texts, ids, findings
 
 
@@ -251,7 +250,7 @@ def _conversation_samples(path: Path, tokenizer: Any, thinking: bool,
                                                  "without an answer: regenerate them (dflashkit regenerate)"))
     texts, ids = [], []
     try:
-        for c in tqdm(answered, desc="doctor: render", unit="conv", disable=None):
+        for c in progress(answered, desc="doctor: render", unit="conv"):
             # What training will see: the target's template with the configured thinking mode.
             ids.append(encode(tokenizer, render(tokenizer, c.messages, thinking=thinking)))
             texts.append("\n".join(m["content"] for m in c.messages if m["role"] == "assistant"))

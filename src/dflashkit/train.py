@@ -53,6 +53,7 @@ from dflashkit.config import dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
                                  check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
+from dflashkit.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -906,9 +907,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
                      "num_train": len(train_idx), "best": best, "rng": _rng_state(), "config": cfg.model_dump(), **full}
             save_checkpoint(out_dir, step, export_drafter(dcfg, full["params"], dtype), state, tc.keep_last)
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not d.main, dynamic_ncols=True)
+    bar = progress(total=total, initial=start, desc="train", unit="step", disable=not d.main)
     t_last, tokens = time.perf_counter(), 0.0
     def held_out(idx: list[int]) -> dict[str, Any]:
         return trainer.evaluate((batcher.build(items, held_out=True), counted)

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from dflashkit.checkpoint import remove_stale_temp_files, temp_path
+from dflashkit.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +205,7 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     tmp = temp_path(out)
     unanswered = 0
     try:
-        with open(tmp, "w", encoding="utf-8") as f, tqdm(total=len(convs), desc="tokenize", unit="conv", disable=None) as bar:
+        with open(tmp, "w", encoding="utf-8") as f, progress(total=len(convs), desc="tokenize", unit="conv") as bar:
             for start in range(0, len(convs), ENCODE_BATCH):
                 block = convs[start:start + ENCODE_BATCH]
                 answered = sum(c.messages[-1]["role"] == "assistant" for c in block)

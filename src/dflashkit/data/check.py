@@ -127,10 +127,10 @@ class TargetSource:
 
 
 def compare_sources(a: Any, b: Any, samples: list[tuple[str, list[int]]], layer_ids: list[int]) -> list[LayerReport]:
-    from tqdm import tqdm
+    from dflashkit.progress import progress
 
     cmp = Comparison(layer_ids)
-    for sid, ids in tqdm(samples, desc="check-features", unit="sample", disable=None):
+    for sid, ids in progress(samples, desc="check-features", unit="sample"):
         cmp.add(a.features(sid, ids).float(), b.features(sid, ids).float())
     return cmp.report()
 

@@ -40,10 +40,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from tqdm import tqdm
 
 from dflashkit.checkpoint import atomic_save, atomic_write_json, remove_stale_temp_files
 from dflashkit.data.chat import TokenizedSample
+from dflashkit.progress import Bar, progress
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def extract_features(target: Any, samples: Sequence[TokenizedSample], layer_ids:
     shards = plan_shards([len(s.input_ids) for s in samples], shard_size)
     mine = [k for k in range(len(shards)) if k % world == rank and not (out / f"{_shard_name(k)}.json").exists()]
     total = sum(len(samples[i].input_ids) for k in mine for i in range(*shards[k]))
-    bar = tqdm(total=total, desc=f"extract (rank {rank}/{world})", unit="tok", unit_scale=True, disable=None)
+    bar = progress(total=total, desc=f"extract (rank {rank}/{world})", unit="tok", unit_scale=True)
     t0 = time.perf_counter()
     for k in mine:
         _write_shard(target, samples, shards[k], k, list(layer_ids), out, dtype, batch_size, bar)
@@ -205,7 +205,7 @@ def _check_or_write_settings(path: Path, settings: dict[str, Any]) -> None:
 
 @torch.no_grad()
 def _write_shard(target: Any, samples: Sequence[TokenizedSample], span: tuple[int, int], k: int, layer_ids: list[int],
-                 out: Path, dtype: str, batch_size: int, bar: tqdm) -> None:
+                 out: Path, dtype: str, batch_size: int, bar: Bar) -> None:
     start, end = span
     idx = list(range(start, end))
     n_taps = len(layer_ids)

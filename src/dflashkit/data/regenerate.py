@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from tqdm import tqdm
 
 from dflashkit.data.chat import prompt_ids
 from dflashkit.data.prompts import Conversation
+from dflashkit.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +100,56 @@ def probe_sets(spec: str, target: Any, max_new_tokens: int, limit: int | None = 
 # ---- the append-only output ----------------------------------------------------------------------------
 
 
+def prompt_sha256(context: list[dict]) -> str:
+    """What the target answers, hashed: a prompt's answer is reused only for the same text."""
+    return hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()
+
+
+def target_key(target: Any) -> dict[str, str]:
+    """The local target's identity in a record: its config, a fingerprint of its weights and its
+    chat template (what renders the prompt); `name` is informative, the rest must match."""
+    from dflashkit.data.features import target_identity
+
+    ident = target_identity(target)
+    template = getattr(target.tokenizer, "chat_template", None) or ""
+    return {"name": ident["name"], "config_sha256": ident["config_sha256"],
+            "weights_fingerprint": ident["weights_fingerprint"],
+            "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()}
+
+
+@dataclass(frozen=True)
+class AnswerKey:
+    """What an answer in the output depends on besides its id: a resumed run keeps an answer only
+    when all of it is the same."""
+    params: GenerationParams
+    target: dict[str, str]  # `target_key` (local) or {"served_model": name} (HTTP)
+    prompts: dict[str, str]  # conversation id -> `prompt_sha256` of its context
+
+    def mismatch(self, rec: dict) -> str | None:
+        """Why `rec` is not an answer of this run (None when it is)."""
+        if rec.get("params") != asdict(self.params):
+            return f"written with generation params {rec.get('params')}, this run uses {asdict(self.params)}"
+        have = rec.get("target")
+        if not isinstance(have, dict):
+            return "records no target identity, so it cannot be known which target wrote it"
+        changed = sorted(k for k in self.target.keys() | have.keys() if k != "name" and have.get(k) != self.target.get(k))
+        if changed:
+            return (f"written by another target ({', '.join(changed)} differ: {have.get('name', '?')!r} then, "
+                    f"{self.target.get('name', '?')!r} now)")
+        want = self.prompts.get(rec["id"])
+        if want is not None and rec.get("prompt_sha256") != want:
+            return f"answers another text of prompt {rec['id']!r} (its messages changed since)"
+        return None
+
+
 @contextmanager
-def open_output(path: str | Path, params: GenerationParams) -> Iterator[tuple[TextIO, set[str]]]:
+def open_output(path: str | Path, key: AnswerKey, *, overwrite: bool = False) -> Iterator[tuple[TextIO, set[str]]]:
     """Open the JSONL for appending; yield it and the ids already answered.
 
     An incomplete last line (a kill during a write) is cut off. The file is locked: two runs
-    appending to it at once would duplicate work. Lines written with other generation
-    parameters are an error: one file, one recipe."""
+    appending to it at once would duplicate work. A line written for another prompt text, by
+    another target or with other generation parameters is an error: one file, one recipe
+    (`overwrite` empties the file instead)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as f:
@@ -114,28 +157,21 @@ def open_output(path: str | Path, params: GenerationParams) -> Iterator[tuple[Te
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"{path} is being written by another `regenerate` run") from None
+        if overwrite:
+            f.truncate(0)
         done: set[str] = set()
-        want = asdict(params)
-        f.seek(0)
-        good = 0  # bytes of complete lines
-        for lineno, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                log.warning("%s: dropping an incomplete last line (an interrupted write); it is regenerated", path)
-                f.truncate(good)
-                break
-            good += len(line)
+        for lineno, line in complete_lines(f, path):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                rid, got = rec["id"], rec.get("params")
-            except (json.JSONDecodeError, KeyError, TypeError):
+                done.add(rec["id"])
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise ValueError(f"{path}:{lineno}: not a regenerate record (expected JSON with an 'id'); "
                                  "fix or remove the line, or write to another file") from None
-            if got != want:
-                raise ValueError(f"{path}:{lineno}: written with generation params {got}, this run uses {want}; "
-                                 "use another output file")
-            done.add(rid)
+            why = key.mismatch(rec)
+            if why:
+                raise ValueError(f"{path}:{lineno}: {why}; start afresh with --overwrite, or write to another --out")
         with open(f.fileno(), "a", encoding="utf-8", closefd=False) as out:
             try:
                 yield out, done
@@ -145,21 +181,25 @@ def open_output(path: str | Path, params: GenerationParams) -> Iterator[tuple[Te
 
 
 def _write(out: TextIO, conv: Conversation, context: list[dict], answer: str, finish: str, prompt_tokens: int,
-           completion_tokens: int, params: GenerationParams, completion_ids: list[int] | None = None) -> None:
+           completion_tokens: int, key: AnswerKey, completion_ids: list[int] | None = None) -> None:
     rec = {"id": conv.id, "messages": context + [{"role": "assistant", "content": answer}], "source": conv.source,
            "finish_reason": finish, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "params": asdict(params)}
+           "params": asdict(key.params), "prompt_sha256": key.prompts[conv.id], "target": key.target}
     if completion_ids is not None:
         rec["completion_ids"] = completion_ids
     out.write(json.dumps(rec, ensure_ascii=False) + "\n")  # one write per line: a kill cuts at most this line
     out.flush()
 
 
+def answer_key(conversations: list[Conversation], params: GenerationParams, target: dict[str, str]) -> AnswerKey:
+    return AnswerKey(params, target, {c.id: prompt_sha256(context_messages(c)) for c in conversations})
+
+
 # ---- local back-end ---------------------------------------------------------------------------------
 
 
 def regenerate_local(target: Any, conversations: list[Conversation], out_path: str | Path, params: GenerationParams,
-                     *, batch_size: int = 8, engine: str = "auto") -> RegenerateStats:
+                     *, batch_size: int = 8, engine: str = "auto", overwrite: bool = False) -> RegenerateStats:
     """Answer with the target itself, `batch_size` prompts at a time, on dflashkit's decoding
     engine (autoregressive rounds; on a GPU the static engine with CUDA graphs). On an engine with
     fixed rows (CUDA graphs) a finished row takes the next prompt at once (`loop.finished`; on an
@@ -167,14 +207,17 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
     it ends; elsewhere whole batches, each re-run whole after an interruption, so that its
     batched numerics do not depend on where an earlier run stopped. Each answer samples from its
     own random stream, seeded by `params.seed` and the conversation id, so an answer does not
-    depend on which prompts share its batch (up to the rounding of batched kernels)."""
+    depend on which prompts share its batch (up to the rounding of batched kernels). Answers already
+    in `out_path` are kept only when written for the same prompt texts, target and `params`;
+    `overwrite` starts the file afresh."""
     from dflashkit.decode.generation import Generation, Sampling
     from dflashkit.decode.loop import finished, make_engine
     from dflashkit.vocab import stop_token_ids
 
     tok = target.tokenizer
     stats = RegenerateStats(prompts=len(conversations))
-    with open_output(out_path, params) as (out, done):
+    key = answer_key(conversations, params, target_key(target))
+    with open_output(out_path, key, overwrite=overwrite) as (out, done):
         stats.already_done = sum(c.id in done for c in conversations)
         if stats.already_done == len(conversations):  # e.g. a --data-only run's answers: no engine to build
             return stats
@@ -187,7 +230,7 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
         # numerics of batched kernels) do not depend on where an earlier run stopped.
         order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
         plan = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
+        bar = progress(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt")
         t0 = time.perf_counter()
 
         def decode(prompts: list[int], **kw: Any) -> Iterator[tuple[int, Generation]]:
@@ -208,7 +251,7 @@ def regenerate_local(target: Any, conversations: list[Conversation], out_path: s
             row = g.tokens  # the stop token, if any, is the last one
             stopped = g.finish_reason == "stop"
             answer = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-            _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), params, row)
+            _write(out, conversations[i], contexts[i], answer, g.finish_reason, len(ids[i]), len(row), key, row)
             stats.written += 1
             stats.completion_tokens += len(row)
             bar.update(1)
@@ -274,11 +317,12 @@ def served_model(client: Any, base_url: str, timeout: float) -> str:
 
 def regenerate_http(base_url: str, conversations: list[Conversation], out_path: str | Path, params: GenerationParams,
                     *, model: str | None = None, concurrency: int = 8, timeout: float = 300.0, retries: int = 5,
-                    backoff: float = 1.0, api_key: str | None = None) -> RegenerateStats:
+                    backoff: float = 1.0, api_key: str | None = None, overwrite: bool = False) -> RegenerateStats:
     """Answer through an OpenAI-compatible `/v1/chat/completions`, `concurrency` requests in flight.
 
     `base_url` ends with `/v1`. A prompt that still fails after its retries is listed in
-    `stats.failed` and not written; a re-run retries it."""
+    `stats.failed` and not written; a re-run retries it. The served model's name stands for the
+    target's identity in the records (a server cannot show its weights)."""
     try:
         import httpx
     except ImportError:
@@ -287,9 +331,21 @@ def regenerate_http(base_url: str, conversations: list[Conversation], out_path: 
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key or os.environ.get('OPENAI_API_KEY', 'none')}"}
     stats = RegenerateStats(prompts=len(conversations))
-    with httpx.Client(headers=headers, limits=httpx.Limits(max_connections=concurrency)) as client, \
-            open_output(out_path, params) as (out, done), ThreadPoolExecutor(concurrency) as pool:
+    with httpx.Client(headers=headers, limits=httpx.Limits(max_connections=concurrency)) as client:
         model = model or served_model(client, base_url, timeout)
+        key = answer_key(conversations, params, {"served_model": model})
+        with open_output(out_path, key, overwrite=overwrite) as (out, done), ThreadPoolExecutor(concurrency) as pool:
+            _ask_all(client, pool, out, done, key, f"{base_url}/chat/completions", model, conversations, stats,
+                     retries=retries, backoff=backoff, timeout=timeout)
+    return stats
+
+
+def _ask_all(client: Any, pool: ThreadPoolExecutor, out: TextIO, done: set[str], key: AnswerKey, url: str, model: str,
+             conversations: list[Conversation], stats: RegenerateStats, *, retries: int, backoff: float,
+             timeout: float) -> None:
+    """Every prompt not in `done`, at most 2x the pool's size in flight; answers written as they come."""
+    params = key.params
+    if True:
         todo = [c for c in conversations if c.id not in done]
         stats.already_done = len(conversations) - len(todo)
 
@@ -298,10 +354,10 @@ def regenerate_http(base_url: str, conversations: list[Conversation], out_path: 
                     "temperature": params.temperature, "top_p": params.top_p,
                     "seed": params.seed + zlib.crc32(conv.id.encode()),  # reproducible per prompt
                     "chat_template_kwargs": {"enable_thinking": params.thinking}}
-            return post_with_retries(client, f"{base_url}/chat/completions", body, retries=retries,
+            return post_with_retries(client, url, body, retries=retries,
                                      backoff=backoff, timeout=timeout)
 
-        bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt", disable=None)
+        bar = progress(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt")
         t0 = time.perf_counter()
         pending: dict[Future, Conversation] = {}
         queue = iter(todo)
@@ -330,7 +386,7 @@ def regenerate_http(base_url: str, conversations: list[Conversation], out_path: 
                     continue
                 finish = choice.get("finish_reason") or "stop"
                 n = int(usage.get("completion_tokens", 0))
-                _write(out, conv, context_messages(conv), answer, finish, int(usage.get("prompt_tokens", 0)), n, params)
+                _write(out, conv, context_messages(conv), answer, finish, int(usage.get("prompt_tokens", 0)), n, key)
                 stats.written += 1
                 stats.retries += n_retries
                 stats.completion_tokens += n

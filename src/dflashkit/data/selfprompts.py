@@ -32,12 +32,12 @@ import time
 
 import torch
 import yaml
-from tqdm import tqdm
 
 from dflashkit.checkpoint import atomic_write_bytes
 from dflashkit.data.chat import encode, render
 from dflashkit.data.prompts import Conversation
 from dflashkit.data.trainset import interleave, quotas
+from dflashkit.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
                 made[d.category].append(d.messages)
         return Counter(d.category for d in kept)
 
-    bar = tqdm(total=count, initial=sum(map(len, made.values())), desc="write prompts", unit="prompt", disable=None)
+    bar = progress(total=count, initial=sum(map(len, made.values())), desc="write prompts", unit="prompt")
     t0 = time.perf_counter()
     for rnd in range(first_round, ROUNDS):
         if rnd != first_round or start is None:
