@@ -345,7 +345,7 @@ def test_a_stopped_suite_evaluation_resumes_from_its_finished_suites(tmp_path, m
     """Each finished suite is saved; a rerun with reuse evaluates only the suites not finished and
     reports the same τ as an uninterrupted run. A saved suite whose drafter weights or settings
     differ is evaluated again."""
-    import dflashkit.evaluate as ev
+    import dflashkit.evaluate.suites as ev
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)
@@ -503,7 +503,7 @@ def test_an_unexplained_parting_fails_the_evaluation(monkeypatch, dtype):
     """A speculative output that takes a token the target ranks far below its top one (a decoding
     bug, simulated by corrupting one token) is classified unexplained and fails loudly; in bf16
     after float32 arithmetic at that position was consulted too."""
-    import dflashkit.evaluate as ev
+    import dflashkit.evaluate.online as ev
 
     real = ev.generate
 
