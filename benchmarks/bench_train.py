@@ -65,7 +65,8 @@ MID = dict(hidden=256, inter=768, heads=4, kv=2, head_dim=64, vocab=151936, targ
 
 def train_settings(**kw) -> SimpleNamespace:
     """The TrainConfig fields the Trainer reads (recipe values)."""
-    base = dict(lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0, parallel="auto", loss="ce", gamma=None,
+    base = dict(lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0, parallel="auto", optimizer_state="device",
+                loss="ce", gamma=None,
                 kl_weight=1.0, kl_temperature=1.0, dpace_alpha=0.5)
     return SimpleNamespace(**{**base, **kw})
 

@@ -375,3 +375,25 @@ def test_rounds_replayed_on_probes_equal_online_dflash(smollm2, tmp_path):
     online = sum(taus) / len(taus)
     assert online > 1.2  # the bundled drafter: rounds of several tokens, not a trivial τ = 1
     assert best["tau_rounds_probes"]["chat"] == pytest.approx(online, abs=1e-9)
+
+
+def test_optimizer_state_on_the_host_trains_exactly_as_on_the_device_and_resumes_across(tmp_path, monkeypatch):
+    """`train.optimizer_state=host` streams master weights and moments through the device in chunks
+    (chunks of a few parameters here, so that the streaming loop runs over many): the same
+    arithmetic, so the same losses and weights, and a checkpoint of either resumes in the other."""
+    from dflashkit import optim
+
+    monkeypatch.setattr(optim, "CHUNK_BYTES", 40_000)
+    dev, host = tmp_path / "device", tmp_path / "host"
+    run_job(str(dev), [])
+    run_job(str(host), ["train.optimizer_state=host"])
+    assert losses(host) == losses(dev)  # bit for bit
+    a = load_training_state(dev / "checkpoints" / "step-00000004")
+    b = load_training_state(host / "checkpoints" / "step-00000004")
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["optimizer"][k][m], b["optimizer"][k][m]), (k, m)
+    mixed = tmp_path / "mixed"  # the device run's step-2 checkpoint, continued with the state on the host
+    run_job(str(mixed), ["train.optimizer_state=host"], resume=str(dev / "checkpoints" / "step-00000002"))
+    assert losses(mixed) == {k: v for k, v in losses(dev).items() if k > 2}

@@ -120,6 +120,10 @@ class TrainConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU")
     compile: Bool | None = Field(None, description="torch.compile the drafter layers; None = on CUDA")
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="under torchrun: DDP (auto) or FSDP2")
+    optimizer_state: Literal["device", "host"] = Field(
+        "device", description="where the fp32 master weights and AdamW moments live: 'host' streams them through "
+        "the GPU at each optimiser step (same results, ~24 bytes per drafter parameter over PCIe per step), for a "
+        "drafter that does not fit beside its target")
     eval_every: Int = Field(200, ge=1, description="steps between held-out tau_sim evaluations (and best/ updates)")
     eval_samples: Int = Field(64, ge=1, description="held-out sequences for the tau_sim evaluation")
     eval_anchors_per_seq: Int = Field(512, ge=1, description="anchors per held-out sequence for tau_sim (default: "

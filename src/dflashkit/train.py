@@ -45,12 +45,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.utils import get_total_norm
 
 from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
                                   load_training_state, remove_stale_temp_files, save_drafter, target_problems)
 from dflashkit import versions
 from dflashkit.config import dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow
+from dflashkit.optim import HostAdamW
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
                                  check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
 from dflashkit.progress import progress
@@ -330,9 +332,18 @@ class Trainer:
                 self.model = DistributedDataParallel(drafter, device_ids=[device] if cuda else None)
                 self.model.config = drafter.config  # training_hidden reads the drafter's config
             self.params = list(drafter.parameters())
-            self.master = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.master, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
-                                           fused=cuda and self.parallel != "fsdp")
+        self.host_state = tcfg.optimizer_state == "host"
+        if self.host_state:
+            if self.parallel == "fsdp":
+                raise ValueError("train.optimizer_state='host' keeps a whole fp32 copy per process: use it with one "
+                                 "process or DDP (under FSDP2 the optimiser state is already sharded over the ranks)")
+            self.optimizer: torch.optim.Optimizer = HostAdamW(self.params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+            self.master = self.optimizer.master
+        else:
+            if self.parallel != "fsdp":
+                self.master = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+            self.optimizer = torch.optim.AdamW(self.master, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
+                                               fused=cuda and self.parallel != "fsdp")
         self.warmup_ratio = tcfg.warmup_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule(total_steps))
 
@@ -368,6 +379,11 @@ class Trainer:
 
     def step(self, batches: Iterable[MicroBatch], n: int) -> dict[str, float]:
         """One optimiser step over `n` micro-batches (this rank's share of the global batch)."""
+        return self.update(self.accumulate(batches, n))
+
+    def accumulate(self, batches: Iterable[MicroBatch], n: int) -> Tensor:
+        """Forward + backward of each micro-batch, gradients summed; -> the step's statistics
+        [loss sum, weight sum, per-slot correct, per-slot count, blocks], on the device."""
         self.model.train()
         B = self.cfg.block_size
         acc = torch.zeros(3 + 2 * B, dtype=torch.float64, device=self.head_weight.device)
@@ -377,11 +393,27 @@ class Trainer:
                 out.loss_sum.backward()
             acc += torch.cat([out.loss_sum.detach()[None], out.weight_sum[None], out.slot_correct, out.slot_count,
                               out.block_valid.sum()[None]]).double()
+        return acc
+
+    def update(self, acc: Tensor) -> dict[str, float]:
+        """The optimiser step on the accumulated gradients: normalise by the global weight sum,
+        clip, AdamW, schedule."""
+        B = self.cfg.block_size
         _all_sum(acc, self.d)
         loss_sum, weight_sum = acc[0], acc[1]
         has_labels = bool(weight_sum > 0)
         # Each rank back-propagated its sum; DDP/FSDP averaged over ranks: x world / global weight sum.
         scale = self.d.world / float(weight_sum) if has_labels else 0.0
+        gnorm = self._host_update(scale, has_labels) if self.host_state else self._device_update(scale, has_labels)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        correct, count = acc[2: 2 + B], acc[2 + B: 2 + 2 * B]
+        return {"loss": float(loss_sum / weight_sum) if has_labels else float("nan"),
+                "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
+                "grad_norm": float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                "lr": lr, "block_tokens": float(acc[-1]) * B}
+
+    def _device_update(self, scale: float, has_labels: bool) -> Tensor:
         grads = []
         for p, m in zip(self.params, self.master):
             if p.grad is None:
@@ -397,13 +429,31 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._master_to_model()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        correct, count = acc[2: 2 + B], acc[2 + B: 2 + 2 * B]
-        return {"loss": float(loss_sum / weight_sum) if has_labels else float("nan"),
-                "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
-                "grad_norm": float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                "lr": lr, "block_tokens": float(acc[-1]) * B}
+        return gnorm
+
+    def _host_update(self, scale: float, has_labels: bool) -> Tensor:
+        """`_device_update`'s arithmetic with the fp32 gradients made one parameter at a time (the
+        master weights and moments stream through the device in `HostAdamW`)."""
+        def fp32_grad(i: int) -> Tensor:
+            g = self.params[i].grad.to(torch.float32, copy=True)
+            torch._foreach_mul_([g], scale)
+            return g
+
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        norms = [get_total_norm([fp32_grad(i)]) for i in have]  # clip_grad_norm_'s per-tensor norms
+        gnorm = get_total_norm(norms) if norms else torch.zeros(())
+        coef = torch.clamp(self.grad_clip / (gnorm + 1e-6), max=1.0)
+
+        def clipped(i: int) -> Tensor:
+            g = fp32_grad(i)
+            torch._foreach_mul_([g], coef)
+            return g
+
+        if has_labels and have:
+            self.optimizer.step(grads=clipped)
+        for p in self.params:
+            p.grad = None
+        return gnorm
 
     @torch.no_grad()
     def _master_to_model(self) -> None:
@@ -448,9 +498,13 @@ class Trainer:
     # ---- full, process-count-independent state (collective under FSDP: every rank must call) ----
     def full_params(self) -> dict[str, Tensor]:
         """fp32 weights by reference name, full tensors on the CPU."""
+        if self.host_state:
+            self.optimizer.synchronize()
         return {n: _full(m).float() for n, m in zip(self.names, self.master)}
 
     def state_dict(self) -> dict[str, Any]:
+        if self.host_state:
+            self.optimizer.synchronize()
         opt = {}
         for name, m in zip(self.names, self.master):
             st = self.optimizer.state.get(m, {})
