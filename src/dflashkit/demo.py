@@ -99,24 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_options(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    from dflashkit.checkpoint import atomic_write_bytes, load_drafter, save_drafter
-    from dflashkit.commands import config_from_args, resolve_device
-    from dflashkit.data.chat import load_tokenized, tokenize_file
-    from dflashkit.data.features import FeatureCache, extract_features
-    from dflashkit.data.prompts import EVAL_SUITES, load_prompts, load_suite, near_evaluation
-    from dflashkit.data.trainset import domain_path, generate
-    from dflashkit.data.regenerate import GenerationParams, regenerate_local
-    from dflashkit.evaluate import (check_partings, eval_prompts, evaluate_offline, evaluate_suites, heldout_items,
-                                    markdown, training_tau_sim, write_report)
-    from dflashkit.target import load_target
-    from dflashkit import versions
-    from dflashkit.train import TrainingStopped, train
-    from dflashkit.vocab import stop_token_ids
-
-    cfg = config_from_args(args)
-    device = resolve_device(cfg.target.device)
-    plan = Plan.for_device(device.startswith("cuda"))
+def plan_from_args(args: argparse.Namespace, cuda: bool) -> Plan:
+    """The device's plan with the command line's values in place of its own (each checked)."""
+    plan = Plan.for_device(cuda)
     if args.train_steps is not None and args.train_minutes is not None:
         raise ValueError("--train-steps and --train-minutes: give one of them (a step count or a wall clock)")
     for field, value in (("train_prompts", args.train_prompts), ("train_steps", args.train_steps),
@@ -132,30 +117,50 @@ def run(args: argparse.Namespace) -> int:
         plan.train_steps = None
     if args.budgets:
         plan.budgets = args.budgets
-    out = Path(args.out)
+    return plan
+
+
+def log_to_file(out: Path) -> None:
+    """Every log line of the run also goes to OUT/logs/demo.log."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(out / "logs" / "demo.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
-    cpu = not device.startswith("cuda")
+
+
+def stage_estimates(plan: Plan, cpu: bool) -> dict[str, float]:
+    """Seconds per stage, a little above what 2 CPU cores (11 minutes in all) and an H200 measure."""
+    from dflashkit.data.prompts import EVAL_SUITES
+
     n_eval = sum(min(s.prompts, plan.suite_prompts or s.prompts) for s in EVAL_SUITES)
-    # Seconds, a little above what 2 CPU cores (2026-12-04: 11:02 in all) and an H200 measured.
     per_prompt = 30 if cpu else 6  # evaluation of one suite prompt
-    stages = Stages({"load target": 10, "regenerate": 1.5 * plan.train_prompts if cpu else 120, "tokenize": 5,
-                     "extract": 0.6 * plan.train_prompts if cpu else 20, "held-out τ before": 40 if cpu else 10,
-                     "adapt": plan.train_minutes * 60 if plan.train_minutes else 60 + 4 * plan.train_steps,
-                     "held-out τ after": 40 if cpu else 10, "evaluate suites": per_prompt * n_eval, "report": 2})
-    log.info("demo plan (%s): %s", device, plan)
+    return {"load target": 10, "regenerate": 1.5 * plan.train_prompts if cpu else 120, "tokenize": 5,
+            "extract": 0.6 * plan.train_prompts if cpu else 20, "held-out τ before": 40 if cpu else 10,
+            "adapt": plan.train_minutes * 60 if plan.train_minutes else 60 + 4 * plan.train_steps,
+            "held-out τ after": 40 if cpu else 10, "evaluate suites": per_prompt * n_eval, "report": 2}
 
-    target = stages.run("load target", lambda: load_target(cfg.target.path, gguf_file=cfg.target.gguf_file,
-                                                           dtype=cfg.target.dtype, device=device))
-    regen, tok_path, feats = out / "regenerated.jsonl", out / "tokenized.jsonl", out / "features"
 
-    domain = out / "domain_prompts.jsonl"
-    if not domain.is_file() or len(domain.read_text().splitlines()) < plan.train_prompts:
-        # the demo's own traffic, written as a user's prompt file would be (deterministic)
-        records = generate(near_evaluation(), plan.train_prompts, spec_path=domain_path())
-        atomic_write_bytes(domain, "".join(json.dumps(r) + "\n" for r in records).encode())
+def write_domain_prompts(path: Path, count: int) -> None:
+    """The demo's own traffic, written as a user's prompt file would be (deterministic); kept when
+    an earlier run wrote as many."""
+    from dflashkit.checkpoint import atomic_write_bytes
+    from dflashkit.data.prompts import near_evaluation
+    from dflashkit.data.trainset import domain_path, generate
+
+    if not path.is_file() or len(path.read_text().splitlines()) < count:
+        records = generate(near_evaluation(), count, spec_path=domain_path())
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in records).encode())
+
+
+def prepare_data(stages: Stages, target: Any, out: Path, plan: Plan, cfg: Any, layer_ids: list[int], cpu: bool) -> Path:
+    """Prompts of the demo's domain -> the target's answers -> tokens -> features (OUT/features)."""
+    from dflashkit.data.chat import load_tokenized, tokenize_file
+    from dflashkit.data.features import extract_features
+    from dflashkit.data.prompts import load_prompts
+    from dflashkit.data.regenerate import GenerationParams, regenerate_local
+
+    regen, tok_path, feats, domain = out / "regenerated.jsonl", out / "tokenized.jsonl", out / "features", out / "domain_prompts.jsonl"
+    write_domain_prompts(domain, plan.train_prompts)
 
     def regenerate() -> None:
         convs = load_prompts(domain, limit=plan.train_prompts)
@@ -165,13 +170,13 @@ def run(args: argparse.Namespace) -> int:
 
     stages.run("regenerate", regenerate)
     stages.run("tokenize", lambda: tokenize_file(regen, target.tokenizer, tok_path, max_length=cfg.data.max_length))
-    bundled = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
-    layer_ids = list(bundled.config.target_layer_ids)  # the features the bundled drafter reads
     stages.run("extract", lambda: extract_features(target, load_tokenized(tok_path), layer_ids, feats, dtype="bfloat16",
                                                    batch_size=4 if cpu else 32))
-    cache = FeatureCache(feats, dtype=target.dtype)
+    return feats
 
-    run_dir = out / "adapt"
+
+def adapt_config(cfg: Any, plan: Plan, feats: Path, run_dir: Path, cpu: bool) -> Any:
+    """The fine-tuning run's config: from the bundled drafter, on the demo's features."""
     tcfg = cfg.model_copy(deep=True)
     tcfg.drafter.init_from = str(bundled_drafter_dir())
     tcfg.data.features = str(feats)
@@ -179,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
     tcfg.train.max_steps = plan.train_steps
     tcfg.train.time_budget_s = plan.train_minutes * 60 if plan.train_minutes else None
     # On a CPU a run is a few dozen steps; there a 5 % warm-up is one step, and full-rate
-    # steps on AdamW's fresh moments undo part of the trained drafter: held-out τ_sim fell in 21
-    # steps (1.956 -> 1.925), and rose with a 30 % warm-up (-> 2.106 in 47 steps).
+    # steps on AdamW's fresh moments undo part of the trained drafter: held-out τ_sim falls in 21
+    # steps (1.956 -> 1.925), and rises with a 30 % warm-up (-> 2.106 in 47 steps).
     tcfg.train.lr, tcfg.train.warmup_ratio = FINETUNE_LR, 0.3 if cpu else FINETUNE_WARMUP
     # On a CPU the LM head's cross-entropy over 49k tokens dominates: few anchors per step.
     tcfg.train.batch_size, tcfg.train.micro_batch_size = (4, 4) if cpu else (16, 16)
@@ -190,56 +195,101 @@ def run(args: argparse.Namespace) -> int:
     tcfg.train.eval_every, tcfg.train.eval_samples = (10**6, plan.heldout) if cpu else (25, plan.heldout)
     tcfg.train.save_every = 10**6
     tcfg.train.tensorboard = False
-    held = heldout_items(cache, plan.heldout, tcfg.train.seed)  # the split training measures tau_sim on
-    methods = dict(methods=["dflash", "ddtree"], budgets=plan.budgets)
-    before = stages.run("held-out τ before", lambda: evaluate_offline({"bundled (before)": bundled}, target, held, **methods))
+    return tcfg
 
-    def adapt() -> Path:
-        if (run_dir / "final" / "model.safetensors").is_file():
-            log.info("reusing the drafter adapted by an earlier run: %s", run_dir / "final")
-            return run_dir
-        # overwrite: an interrupted earlier demo run left no final drafter; it restarts from scratch.
-        try:
-            return train(tcfg, target=target, samples=cache, feature_layer_ids=layer_ids, overwrite=True)
-        except TrainingStopped as e:
-            raise TrainingStopped(e.step, e.signum, e.out_dir, "`dflashkit demo` again reuses the stages before "
-                                  "this one and adapts the drafter afresh") from None
 
-    stages.run("adapt", adapt)
-    # best by tau_sim on the held-out split; the bundled drafter itself (step 0) is a candidate
-    adapted_dir = run_dir / ("best" if (run_dir / "best").is_dir() else "final")
-    drafter_dirs = {"adapted": adapted_dir, "bundled": bundled_drafter_dir()}
-    for name, src in drafter_dirs.items():  # the drafters, in reference format, beside the report
+def adapt(tcfg: Any, target: Any, cache: Any, layer_ids: list[int]) -> None:
+    """Fine-tune the bundled drafter (`train`) into train.output_dir, or keep what an earlier run finished there."""
+    from dflashkit.train import TrainingStopped, train
+
+    run_dir = Path(tcfg.train.output_dir)
+    if (run_dir / "final" / "model.safetensors").is_file():
+        log.info("reusing the drafter adapted by an earlier run: %s", run_dir / "final")
+        return
+    # overwrite: an interrupted earlier demo run left no final drafter; it restarts from scratch.
+    try:
+        train(tcfg, target=target, samples=cache, feature_layer_ids=layer_ids, overwrite=True)
+    except TrainingStopped as e:
+        raise TrainingStopped(e.step, e.signum, e.out_dir, "`dflashkit demo` again reuses the stages before "
+                              "this one and adapts the drafter afresh") from None
+
+
+def export_drafters(out: Path, drafter_dirs: dict[str, Path], target: Any) -> dict[str, Any]:
+    """The drafters, in reference format, beside the report (OUT/drafters/NAME), loaded from there."""
+    from dflashkit.checkpoint import load_drafter, save_drafter
+
+    for name, src in drafter_dirs.items():
         dst = out / "drafters" / name
         if not (dst / "model.safetensors").is_file():
             save_drafter(load_drafter(src, target), dst)
-    drafters = {n: load_drafter(out / "drafters" / n, target, device=target.device, dtype=target.dtype)
-                for n in drafter_dirs}
+    return {n: load_drafter(out / "drafters" / n, target, device=target.device, dtype=target.dtype) for n in drafter_dirs}
+
+
+def evaluate_on_suites(target: Any, drafters: dict[str, Any], plan: Plan, report_dir: Path,
+                       settings: dict[str, Any]) -> dict[str, Any]:
+    """Both drafters on the evaluation suites (each suite saved as it finishes), or the report an
+    earlier run wrote with the same settings."""
+    from dflashkit import versions
+    from dflashkit.data.prompts import EVAL_SUITES, load_suite
+    from dflashkit.evaluate import eval_prompts, evaluate_suites
+    from dflashkit.vocab import stop_token_ids
+
+    done = report_dir / "report.json"
+    if done.is_file():
+        old = json.loads(done.read_text())
+        if old.get("demo_settings") == settings:
+            log.info("reusing the evaluation of an earlier run: %s", done)
+            return old
+    stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+    suites = [(replace(s, max_new_tokens=plan.suite_tokens or s.max_new_tokens),
+               eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
+    rep = evaluate_suites(target, drafters, suites, stop_ids=stops, keep=report_dir / "suites", reuse=True,
+                          methods=["dflash", "ddtree"], budgets=plan.budgets)
+    rep.update(demo_settings=settings, target=target.name, device=settings["device"],
+               date=time.strftime("%Y-%m-%d %H:%M:%S"), versions=versions())
+    return rep
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.commands import config_from_args, resolve_device
+    from dflashkit.data.features import FeatureCache
+    from dflashkit.evaluate import check_partings, evaluate_offline, heldout_items, markdown, training_tau_sim, write_report
+    from dflashkit.target import load_target
+
+    cfg = config_from_args(args)
+    device = resolve_device(cfg.target.device)
+    cpu = not device.startswith("cuda")
+    plan = plan_from_args(args, not cpu)
+    out = Path(args.out)
+    log_to_file(out)
+    stages = Stages(stage_estimates(plan, cpu))
+    log.info("demo plan (%s): %s", device, plan)
+
+    target = stages.run("load target", lambda: load_target(cfg.target.path, gguf_file=cfg.target.gguf_file,
+                                                           dtype=cfg.target.dtype, device=device))
+    bundled = load_drafter(bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
+    layer_ids = list(bundled.config.target_layer_ids)  # the features the bundled drafter reads
+    feats = prepare_data(stages, target, out, plan, cfg, layer_ids, cpu)
+    cache = FeatureCache(feats, dtype=target.dtype)
+    tcfg = adapt_config(cfg, plan, feats, out / "adapt", cpu)
+    held = heldout_items(cache, plan.heldout, tcfg.train.seed)  # the split training measures tau_sim on
+    methods = dict(methods=["dflash", "ddtree"], budgets=plan.budgets)
+    before = stages.run("held-out τ before", lambda: evaluate_offline({"bundled (before)": bundled}, target, held, **methods))
+    run_dir = Path(tcfg.train.output_dir)
+    stages.run("adapt", lambda: adapt(tcfg, target, cache, layer_ids))
+    # best by tau_sim on the held-out split; the bundled drafter itself (step 0) is a candidate
+    adapted_dir = run_dir / ("best" if (run_dir / "best").is_dir() else "final")
+    drafter_dirs = {"adapted": adapted_dir, "bundled": bundled_drafter_dir()}
+    drafters = export_drafters(out, drafter_dirs, target)
     after = stages.run("held-out τ after", lambda: evaluate_offline({"adapted (after)": drafters["adapted"]}, target,
                                                                      held, **methods))
-    heldout = {**before, "drafters": {**before["drafters"], **after["drafters"]}}
 
     report_dir = out / "report"
-    settings = {"suite_prompts": plan.suite_prompts, "suite_tokens": plan.suite_tokens, "budgets": plan.budgets, "drafters": sorted(drafter_dirs),
-                "device": device, "adapted": str(adapted_dir)}
-
-    def evaluate() -> dict[str, Any]:
-        done = report_dir / "report.json"
-        if done.is_file():
-            old = json.loads(done.read_text())
-            if old.get("demo_settings") == settings:
-                log.info("reusing the evaluation of an earlier run: %s", done)
-                return old
-        stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
-        suites = [(replace(s, max_new_tokens=plan.suite_tokens or s.max_new_tokens),
-                   eval_prompts(load_suite(s.name, plan.suite_prompts), target.tokenizer)) for s in EVAL_SUITES]
-        rep = evaluate_suites(target, drafters, suites, stop_ids=stops, keep=report_dir / "suites", reuse=True, **methods)
-        rep.update(demo_settings=settings, target=target.name, device=device, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                   versions=versions())
-        return rep
-
-    report = stages.run("evaluate suites", evaluate)
-    report["heldout"] = heldout
+    settings = {"suite_prompts": plan.suite_prompts, "suite_tokens": plan.suite_tokens, "budgets": plan.budgets,
+                "drafters": sorted(drafter_dirs), "device": device, "adapted": str(adapted_dir)}
+    report = stages.run("evaluate suites", lambda: evaluate_on_suites(target, drafters, plan, report_dir, settings))
+    report["heldout"] = {**before, "drafters": {**before["drafters"], **after["drafters"]}}
     report.update(training_tau_sim({"adapted": adapted_dir}))
     stages.run("report", lambda: write_report(report, report_dir))
     if (run_dir / "curves.png").is_file():
