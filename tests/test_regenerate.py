@@ -4,6 +4,7 @@ the HTTP back-end against a live `dflashkit serve` that fails some requests."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -209,3 +210,40 @@ def test_cli_counts_malformed_prompt_lines_and_takes_overrides_after_options(tin
     err = capsys.readouterr().err
     assert rc == 1 and "p.jsnol: no such prompt file" in err
     assert "Traceback" not in err + caplog.text  # (in this process the log goes to caplog, not to stderr)
+
+
+def test_resume_refuses_answers_of_another_prompt_text_or_target(tiny_dir, tmp_path, capsys):
+    """An answer is kept on resume only for the same prompt text, target and settings: a changed
+    prompt or another target is refused with one line naming the way forward, never counted as
+    'already there'; --overwrite starts afresh."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "prompt": "Say hi."}, {"id": "b", "prompt": "Name a fruit."}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o.jsonl"
+    args = ["regenerate", "--out", str(out), f"data.prompts={prompts}", "data.max_new_tokens=3", "target.device=cpu"]
+    assert cli_main([*args, f"target.path={tiny_dir}"]) == 0
+    assert "2 answers written" in capsys.readouterr().out
+    first = out.read_bytes()
+    assert cli_main([*args, f"target.path={tiny_dir}"]) == 0  # same prompts, same target: nothing to do
+    assert "0 answers written, 2 already there" in capsys.readouterr().out
+
+    rows[1]["prompt"] = "Name a vegetable."
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli_main([*args, f"target.path={tiny_dir}"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"{out}:\d: answers another text of prompt 'b' .*start afresh with --overwrite", err)
+    assert out.read_bytes() == first
+
+    other = save_tiny_target(tmp_path / "other", seed=1)  # another target of the same shape and tokenizer
+    rows[1]["prompt"] = "Name a fruit."
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli_main([*args, f"target.path={other}"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out}:1: written by another target (weights_fingerprint differ" in err and "--overwrite" in err
+    assert out.read_bytes() == first
+
+    assert cli_main([*args, f"target.path={other}", "--overwrite"]) == 0
+    assert "2 answers written, 0 already there" in capsys.readouterr().out
+    before = {r["id"]: r for r in map(json.loads, first.splitlines())}
+    after = records(out)
+    assert after["a"]["target"]["name"] == str(other) and after["a"]["prompt_sha256"] == before["a"]["prompt_sha256"]

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflashkit.drafter import DFlashDrafter, DrafterConfig
+
+log = logging.getLogger(__name__)
 
 CONFIG, WEIGHTS, TRAINING_STATE = "config.json", "model.safetensors", "training_state.pt"
 
@@ -27,9 +32,10 @@ class CheckpointError(ValueError):
     """A drafter directory that cannot be used; the message says which file and what to fix."""
 
 
-# Temporary files are `.NAME.PID.tmp` beside their target: a later run recognises them, and removes
-# those whose writer is no longer alive (`remove_stale_temp_files`).
-_TEMP = re.compile(r"^\..+\.(\d+)\.tmp$")
+# Temporary files are `.NAME.PID.RANDOM.tmp` beside their target (unique across processes and the
+# threads of one): a later run recognises them, and removes those whose writer is no longer alive
+# (`remove_stale_temp_files`; also `.NAME.PID.tmp`, as earlier versions named them).
+_TEMP = re.compile(r"^\..+?\.(\d+)(?:\.[0-9a-f]{8})?\.tmp$")
 FAULT_ENV = "DFLASHKIT_KILL_AT"
 
 
@@ -41,7 +47,7 @@ def _file_mode() -> int:
 
 
 def temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def remove_stale_temp_files(directory: Path, name: str | None = None) -> list[Path]:
@@ -97,6 +103,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def complete_lines(f: BinaryIO, name: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, line) of each complete line of an append-only log open in `f` (binary,
+    readable and writable). A torn last line (a kill during its write) is cut off the file, in
+    one `truncate`, and said in one log line: the record it began is written again."""
+    f.seek(0)
+    good = 0  # bytes of complete lines
+    for lineno, line in enumerate(f, 1):
+        if not line.endswith(b"\n"):
+            log.warning("%s: dropping an incomplete last line (an interrupted write)", name)
+            f.truncate(good)
+            return
+        good += len(line)
+        yield lineno, line
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype | None = None,

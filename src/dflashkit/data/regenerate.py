@@ -6,24 +6,28 @@ Every conversation is cut after its last user turn and answered by the target, e
 
 Output: append-only JSONL, one line per answered prompt:
 `{"id", "messages": context + [assistant answer], "source", "finish_reason", "prompt_tokens",
-"completion_tokens", "params"}`, plus `completion_ids` (the generated token ids, stop token
-included) from the local back-end, which `tokenize` uses instead of re-encoding the answer. A
-re-run skips the ids already there; a line cut by a kill is dropped and redone. Every answer is
-decoded from its own prompt and its own random stream (seeded by the id), so an interrupted run
-writes exactly what an uninterrupted one writes, greedy or sampled.
+"completion_tokens", "params", "prompt_sha256", "target"}`, plus `completion_ids` (the generated
+token ids, stop token included) from the local back-end, which `tokenize` uses instead of
+re-encoding the answer. A re-run skips the answers already there, each keyed on its prompt's text
+(`prompt_sha256`), the target's identity (`target`) and the generation settings (`params`): an
+answer of another prompt text, target or setting is refused (`--overwrite` starts afresh). A line
+cut by a kill is dropped and redone. Every answer is decoded from its own prompt and its own
+random stream (seeded by the id), so an interrupted run writes exactly what an uninterrupted one
+writes, greedy or sampled.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import random
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -32,6 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
+from dflashkit.checkpoint import complete_lines
 from dflashkit.data.chat import prompt_ids
 from dflashkit.data.prompts import Conversation
 from dflashkit.progress import progress
@@ -334,66 +339,61 @@ def regenerate_http(base_url: str, conversations: list[Conversation], out_path: 
     with httpx.Client(headers=headers, limits=httpx.Limits(max_connections=concurrency)) as client:
         model = model or served_model(client, base_url, timeout)
         key = answer_key(conversations, params, {"served_model": model})
-        with open_output(out_path, key, overwrite=overwrite) as (out, done), ThreadPoolExecutor(concurrency) as pool:
-            _ask_all(client, pool, out, done, key, f"{base_url}/chat/completions", model, conversations, stats,
-                     retries=retries, backoff=backoff, timeout=timeout)
-    return stats
-
-
-def _ask_all(client: Any, pool: ThreadPoolExecutor, out: TextIO, done: set[str], key: AnswerKey, url: str, model: str,
-             conversations: list[Conversation], stats: RegenerateStats, *, retries: int, backoff: float,
-             timeout: float) -> None:
-    """Every prompt not in `done`, at most 2x the pool's size in flight; answers written as they come."""
-    params = key.params
-    if True:
-        todo = [c for c in conversations if c.id not in done]
-        stats.already_done = len(conversations) - len(todo)
 
         def ask(conv: Conversation) -> tuple[dict, int]:
             body = {"model": model, "messages": context_messages(conv), "max_tokens": params.max_new_tokens,
                     "temperature": params.temperature, "top_p": params.top_p,
                     "seed": params.seed + zlib.crc32(conv.id.encode()),  # reproducible per prompt
                     "chat_template_kwargs": {"enable_thinking": params.thinking}}
-            return post_with_retries(client, url, body, retries=retries,
+            return post_with_retries(client, f"{base_url}/chat/completions", body, retries=retries,
                                      backoff=backoff, timeout=timeout)
 
-        bar = progress(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt")
-        t0 = time.perf_counter()
-        pending: dict[Future, Conversation] = {}
-        queue = iter(todo)
-        while True:
-            # Bounded: at most 2x concurrency futures exist, whatever the number of prompts.
-            for conv in queue:
-                pending[pool.submit(ask, conv)] = conv
-                if len(pending) >= 2 * concurrency:
-                    break
-            if not pending:
-                break
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                conv = pending.pop(fut)
-                try:
-                    resp, n_retries = fut.result()
-                    choice, usage = resp["choices"][0], resp.get("usage") or {}
-                    answer = choice["message"].get("content") or ""
-                    reasoning = choice["message"].get("reasoning_content")
-                    if reasoning:  # servers with a reasoning parser split the thinking off
-                        answer = f"<think>\n{reasoning}\n</think>\n\n{answer}"
-                except (RequestFailed, KeyError, IndexError, TypeError, ValueError) as e:
-                    stats.retries += getattr(e, "retries", 0)
-                    stats.failed[conv.id] = str(e)
-                    log.warning("prompt %s failed: %s", conv.id, e)
-                    continue
-                finish = choice.get("finish_reason") or "stop"
-                n = int(usage.get("completion_tokens", 0))
-                _write(out, conv, context_messages(conv), answer, finish, int(usage.get("prompt_tokens", 0)), n, key)
-                stats.written += 1
-                stats.retries += n_retries
-                stats.completion_tokens += n
-                bar.update(1)
-        stats.seconds = time.perf_counter() - t0
-        bar.close()
+        with open_output(out_path, key, overwrite=overwrite) as (out, done), ThreadPoolExecutor(concurrency) as pool:
+            _ask_all(ask, pool, concurrency, out, done, key, conversations, stats)
     return stats
+
+
+def _ask_all(ask: Callable[[Conversation], tuple[dict, int]], pool: ThreadPoolExecutor, concurrency: int, out: TextIO,
+             done: set[str], key: AnswerKey, conversations: list[Conversation], stats: RegenerateStats) -> None:
+    """`ask` every prompt not in `done` on `pool`, writing the answers as they come."""
+    todo = [c for c in conversations if c.id not in done]
+    stats.already_done = len(conversations) - len(todo)
+    bar = progress(total=len(conversations), initial=stats.already_done, desc="regenerate", unit="prompt")
+    t0 = time.perf_counter()
+    pending: dict[Future, Conversation] = {}
+    queue = iter(todo)
+    while True:
+        # Bounded: at most 2x concurrency futures exist, whatever the number of prompts.
+        for conv in queue:
+            pending[pool.submit(ask, conv)] = conv
+            if len(pending) >= 2 * concurrency:
+                break
+        if not pending:
+            break
+        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for fut in finished:
+            conv = pending.pop(fut)
+            try:
+                resp, n_retries = fut.result()
+                choice, usage = resp["choices"][0], resp.get("usage") or {}
+                answer = choice["message"].get("content") or ""
+                reasoning = choice["message"].get("reasoning_content")
+                if reasoning:  # servers with a reasoning parser split the thinking off
+                    answer = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+            except (RequestFailed, KeyError, IndexError, TypeError, ValueError) as e:
+                stats.retries += getattr(e, "retries", 0)
+                stats.failed[conv.id] = str(e)
+                log.warning("prompt %s failed: %s", conv.id, e)
+                continue
+            finish = choice.get("finish_reason") or "stop"
+            n = int(usage.get("completion_tokens", 0))
+            _write(out, conv, context_messages(conv), answer, finish, int(usage.get("prompt_tokens", 0)), n, key)
+            stats.written += 1
+            stats.retries += n_retries
+            stats.completion_tokens += n
+            bar.update(1)
+    stats.seconds = time.perf_counter() - t0
+    bar.close()
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
@@ -410,6 +410,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="http back-end: requests in flight")
     p.add_argument("--timeout", type=float, default=300.0, help="http back-end: seconds per request")
     p.add_argument("--retries", type=int, default=5, help="http back-end: retries per request (backoff 1s, 2s, 4s...)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start the output afresh (a run resumes only answers of the same prompts, target and settings)")
     add_config_options(p)
 
 
@@ -436,11 +438,11 @@ def run(args: argparse.Namespace) -> int:
         # self-written prompts keep their progress beside the answers: a re-run resumes both
         write = writer(target, d.batch_size, d.seed, keep=Path(out).parent, spec=spec)
         convs, problems = load_prompts_report(d.prompts, limit=d.limit, writer=write)
-        stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size)
+        stats = regenerate_local(target, convs, out, params, batch_size=d.batch_size, overwrite=args.overwrite)
     else:
         convs, problems = load_prompts_report(d.prompts, limit=d.limit)
         stats = regenerate_http(args.url, convs, out, params, model=args.model, concurrency=args.concurrency,
-                                timeout=args.timeout, retries=args.retries)
+                                timeout=args.timeout, retries=args.retries, overwrite=args.overwrite)
     print(f"{out}: {stats.written} answers written, {stats.already_done} already there, {len(stats.failed)} failed; "
           f"{stats.completion_tokens} tokens in {stats.seconds:.1f}s ({stats.tokens_per_s:.1f} tokens/s)"
           + (f", {stats.retries} retries" if args.backend == "http" else "")
