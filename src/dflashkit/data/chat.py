@@ -15,14 +15,16 @@ mask boundary. A file's pieces go to the tokenizer in blocks of conversations, o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashkit.checkpoint import remove_stale_temp_files, temp_path
+from dflashkit.checkpoint import atomic_write_bytes, remove_stale_temp_files, temp_path
 from dflashkit.progress import progress
 
 log = logging.getLogger(__name__)
@@ -197,12 +199,15 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     from dflashkit.data.prompts import load_prompts_report
 
     convs, problems = load_prompts_report(str(regenerated_jsonl), limit=limit)
-    generation = _generation_info(Path(regenerated_jsonl))
+    generation = _generation_info(Path(regenerated_jsonl), len(tokenizer))
     stats = TokenizeStats(conversations=len(convs), problems=problems)
     out = Path(out_jsonl)
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(out.parent, out.name)  # left by a killed run
+    sums = checksum_path(out)
+    for name in (out.name, sums.name):
+        remove_stale_temp_files(out.parent, name)  # left by a killed run
     tmp = temp_path(out)
+    digest = hashlib.sha256()
     unanswered = 0
     try:
         with open(tmp, "w", encoding="utf-8") as f, progress(total=len(convs), desc="tokenize", unit="conv") as bar:
@@ -226,7 +231,9 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
                     stats.tokens += len(sample.input_ids)
                     stats.supervised_tokens += sum(sample.loss_mask)
                     # vars, not asdict: asdict deep-copies every id list (40 % of this loop on a CPU)
-                    f.write(json.dumps(vars(sample), separators=(",", ":")) + "\n")
+                    line = json.dumps(vars(sample), separators=(",", ":")) + "\n"
+                    digest.update(line.encode())
+                    f.write(line)
                 bar.update(min(ENCODE_BATCH, len(convs) - start))
         if convs and not stats.written:  # an empty output would only fail later, in training, far from its cause
             why = (f"{unanswered} end without an assistant answer (tokenize the output of `dflashkit regenerate`, "
@@ -234,19 +241,23 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
             raise ValueError(f"{regenerated_jsonl}: none of its {len(convs)} conversations gives a training sample: "
                              f"{why}{stats.dropped_unsupervised - unanswered} have fewer than two consecutive "
                              f"supervised tokens within max_length={max_length}")
+        # The old sum goes first: a kill in between leaves a file without a sum, never a wrong sum.
+        sums.unlink(missing_ok=True)
         os.replace(tmp, out)
+        atomic_write_bytes(sums, f"{digest.hexdigest()}  {out.name}\n".encode())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return stats
 
 
-def _generation_info(path: Path) -> dict[str, tuple[str | None, list[int] | None]]:
+def _generation_info(path: Path, vocab: int) -> dict[str, tuple[str | None, list[int] | None]]:
     """id -> (finish_reason, the answer's generated ids without the stop token) from a regenerated
-    JSONL; empty for other conversation files."""
+    JSONL; empty for other conversation files. Generated ids must be token ids of this tokenizer
+    (`vocab` of them): they are trusted only where they spell the answer's text exactly."""
     info = {}
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
@@ -254,30 +265,83 @@ def _generation_info(path: Path) -> dict[str, tuple[str | None, list[int] | None
             if not isinstance(rec, dict) or "finish_reason" not in rec:
                 continue
             ids = rec.get("completion_ids")
-            if isinstance(ids, list) and rec["finish_reason"] == "stop":
+            if ids is not None and not _token_ids(ids, vocab):
+                raise ValueError(f"{path}:{lineno}: field 'completion_ids': expected a list of token ids in "
+                                 f"0..{vocab - 1} (this tokenizer's), got {str(ids)[:80]}")
+            if ids is not None and rec["finish_reason"] == "stop":
                 ids = ids[:-1]
-            info[str(rec.get("id"))] = (rec["finish_reason"], ids if isinstance(ids, list) else None)
+            info[str(rec.get("id"))] = (rec["finish_reason"], ids)
     return info
 
 
+def _token_ids(ids: Any, vocab: int | None = None) -> bool:
+    """A list of token ids: ints (not booleans), >= 0 and, with `vocab`, below it."""
+    return isinstance(ids, list) and all(type(t) is int and t >= 0 and (vocab is None or t < vocab) for t in ids)
+
+
+def checksum_path(path: Path) -> Path:
+    """Where `tokenize` records the sha256 of the file it wrote (`sha256sum` format)."""
+    return path.with_name(path.name + ".sha256")
+
+
+_SUM_LINE = re.compile(r"^([0-9a-f]{64})  (.+)\n?$")
+
+
+def recorded_sha256(sums: Path, name: str) -> str:
+    """The sha256 that `sums` (one `sha256sum` line) records for file `name`."""
+    try:
+        m = _SUM_LINE.match(sums.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        m = None
+    if not m or m.group(2) != name:
+        raise ValueError(f"{sums}: expected one line '<64 hex digits>  {name}' (a sha256sum line); it is damaged: "
+                         f"tokenize again, or delete it to use {name} unchecked")
+    return m.group(1)
+
+
+def _sample(rec: Any) -> TokenizedSample:
+    """A tokenized record, its values checked: raises ValueError naming the first bad field."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object with id, input_ids, loss_mask, got a {type(rec).__name__}")
+    missing = [k for k in ("id", "input_ids", "loss_mask") if k not in rec]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+    ids, mask = rec["input_ids"], rec["loss_mask"]
+    if not isinstance(rec["id"], (str, int)) or isinstance(rec["id"], bool):
+        raise ValueError(f"field 'id': expected a string, got {rec['id']!r}")
+    if not _token_ids(ids) or not ids:
+        raise ValueError(f"field 'input_ids': expected a non-empty list of token ids (integers >= 0), got {str(ids)[:80]}")
+    if not isinstance(mask, list) or any(type(m) is not int or m not in (0, 1) for m in mask):
+        raise ValueError(f"field 'loss_mask': expected a list of 0 and 1, got {str(mask)[:80]}")
+    if len(ids) != len(mask):
+        raise ValueError(f"input_ids has {len(ids)} entries, loss_mask {len(mask)}")
+    return TokenizedSample(id=str(rec["id"]), input_ids=ids, loss_mask=mask)
+
+
 def load_tokenized(path: str | Path) -> list[TokenizedSample]:
-    """Read the output of `tokenize_file`; a bad line raises with its file and line number."""
+    """Read the output of `tokenize_file`; a bad line raises with its file, line number and field,
+    and a file that differs from the sha256 `tokenize` recorded beside it (`checksum_path`) is refused."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tokenized file {path} does not exist (run `dflashkit tokenize` first)")
+    sums = checksum_path(path)
+    want = recorded_sha256(sums, path.name) if sums.is_file() else None
+    digest = hashlib.sha256()
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            digest.update(raw)
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-                s = TokenizedSample(id=str(rec["id"]), input_ids=list(rec["input_ids"]), loss_mask=list(rec["loss_mask"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with id, input_ids, loss_mask ({e})") from None
-            if len(s.input_ids) != len(s.loss_mask):
-                raise ValueError(f"{path}:{lineno}: input_ids has {len(s.input_ids)} entries, loss_mask {len(s.loss_mask)}")
-            samples.append(s)
+                samples.append(_sample(json.loads(raw)))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+    if want is not None and digest.hexdigest() != want:
+        raise ValueError(f"{path}: its content differs from the sha256 recorded in {sums.name} (damaged, or edited "
+                         f"after `dflashkit tokenize`); tokenize again, or delete {sums.name} to use the file as it is")
     return samples
 
 
