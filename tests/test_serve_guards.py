@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from datahelpers import save_tiny_target, start_cli
+from datahelpers import CHILD_ENV, save_tiny_target, start_cli
 from dflashkit.decode.generation import GenerationChunk
 from dflashkit.serve import Admission, Engine, EngineProcess, Served, build_app
 from dflashkit.vocab import stop_token_ids
@@ -335,3 +337,47 @@ def test_speculative_options_without_a_drafter_are_refused_before_loading(capsys
     with pytest.raises(SystemExit, match="2"):
         main(["serve", "--draft-tokens", "0"])
     assert "argument --draft-tokens: expected an integer >= 1" in capsys.readouterr().err
+
+
+def _first_line_with(proc: subprocess.Popen, text: str) -> str:
+    line = ""
+    while text not in line:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, f"the server exited before printing {text!r}"
+    return line
+
+
+def test_sigterm_to_the_process_group_drains_in_flight_requests(long_context_target):
+    """systemd's stop, `timeout` and `kill -TERM -PGID` signal every process of the server's
+    group, the engine's process included: requests in flight (a streamed and a whole one, both
+    decoding) still finish with their complete answers, and the server then exits, well within
+    its --shutdown-timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflashkit.cli", "serve", "--port", "0", "--max-batch", "2",
+                             "--shutdown-timeout", "60", f"target.path={long_context_target}", "target.device=cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CHILD_ENV,
+                            start_new_session=True)
+    try:
+        url = _first_line_with(proc, "listening on").split("listening on", 1)[1].strip()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+        want = httpx.post(f"{url}/completions", json=body, timeout=120).json()
+        assert want["usage"]["completion_tokens"] == 400, want  # the answer runs to its limit
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{url}/completions", json=body, timeout=120)
+            with httpx.stream("POST", f"{url}/completions", json=body | {"stream": True}, timeout=120) as r:
+                events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+                streamed = [next(events)]
+                assert poll(lambda: whole.running() and health(url.removesuffix("/v1"))["running"] == 2)
+                signalled = time.monotonic()
+                os.killpg(proc.pid, signal.SIGTERM)
+                streamed += list(events)
+            assert r.status_code == 200 and not [e for e in streamed if "error" in e], streamed[-1]
+            assert "".join(e["choices"][0]["text"] for e in streamed) == want["choices"][0]["text"]
+            assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+            assert whole.result().status_code == 200 and whole.result().json()["choices"] == want["choices"]
+        proc.wait(60)
+        assert time.monotonic() - signalled < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -428,6 +428,22 @@ class EngineProcess:
         self.reader.join(10)
 
 
+def _leave_stopping_to_the_server() -> None:
+    """In the engine's process: a stop signal is the server's to act on. Ctrl-C, systemd's stop,
+    `timeout` and `kill -TERM -PGID` signal the whole process group; the server drains its
+    requests, then closes this process through the pipe, so the signal must not end it first.
+    If the server's process dies without closing it (SIGKILL), this process exits too."""
+    from multiprocessing import parent_process
+    from multiprocessing.connection import wait
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (wait([parent.sentinel]), os._exit(1)),
+                         name="dflashkit-engine-orphan", daemon=True).start()
+
+
 def _engine_process(conn: Any, load: Callable[[], tuple[Served, Generator]], max_batch: int,
                     admission: Admission) -> None:
     """The engine's process (`EngineProcess`): load, report ready, then run the jobs that come
@@ -442,7 +458,7 @@ def _engine_process(conn: Any, load: Callable[[], tuple[Served, Generator]], max
                 return RuntimeError(f"{type(item).__name__}: {item}")
         return item
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server stops us
+    _leave_stopping_to_the_server()
     try:
         served, generator = load()
     except Exception as e:
