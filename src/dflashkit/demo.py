@@ -53,7 +53,7 @@ class Plan:
         # tokens ~ 4.5 min (each suite's own 128 tokens: about twice that). 80 prompts: with 40 (32 to adapt on,
         # 8 held out) a few dozen steps fitted those 32 and lost on the held-out split. A step count, not a
         # time budget: 2.5 minutes fitted 47-60 steps that beat the bundled drafter on some machines, and 37
-        # that did not on a slower one (docs/benchmarks.md); 64 steps take 2.5-5 minutes on 2 cores.
+        # that did not on a slower one; 64 steps take 2.5-5 minutes on 2 cores.
         return cls(train_prompts=80, answer_tokens=128, train_steps=64, train_minutes=None, heldout=16,
                    suite_prompts=2, suite_tokens=64, budgets=[64])
 

@@ -413,7 +413,7 @@ def lengths_dynamic(tables: tuple[Tensor, ...], masks: Any) -> None:
     for every size that changed. With the marks, a training job's first steps compiled 6 graphs
     instead of 8 on an H200 (FlexAttention: a BlockMask's lengths are plain integers, which still
     compile once static), 4 instead of 6 on a CPU (dense masks); dynamic=True would make the
-    model's sizes symbolic too, for 5 % slower steps (docs/benchmarks.md, "Training")."""
+    model's sizes symbolic too, for 5 % slower steps (docs/benchmarks.md, Training)."""
     mark = torch._dynamo.maybe_mark_dynamic
     for t in tables:
         for dim in range(t.dim() - 1):

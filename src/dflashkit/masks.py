@@ -62,8 +62,8 @@ def flex_block_mask(layout: Layout, window: int | None) -> Any:
     """The same rule as a block-sparse FlexAttention mask: `dense_mask` counted over 128x128 tiles,
     one row at a time (the transient is one row's [q, K] of booleans), empty tiles skipped and full
     ones run without the mask. This equals `create_block_mask` over `visible`, which evaluates the
-    rule through vmapped gathers: 16 ms of a 141 ms training step at the Qwen3-8B shapes on an
-    H200 (docs/benchmarks.md, "Training")."""
+    rule through vmapped gathers: that makes a training step at the Qwen3-8B shapes 7 % slower on
+    an H200 (docs/benchmarks.md, Training)."""
     if BlockMask is None:
         raise RuntimeError("FlexAttention needs torch >= 2.5; use attention backend 'sdpa'")
     qa, qb, kp, kb = layout.q_anchor, layout.q_block, layout.k_pos, layout.k_block

@@ -1016,7 +1016,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
                      done, step_s[-1])
         if fit_from is not None and done >= fit_from and (done < start + BUDGET_REFIT_EVERY or done % BUDGET_REFIT_EVERY == 0):
             # Re-fitted every step at first, then every few: the median step time ignores the
-            # steps that compile for new shapes (one such step once ended a run after 8 steps),
+            # steps that compile for new shapes (fitted to one of them, a budget ends a run after a few steps),
             # and the evaluations measured so far are spread over the steps between them.
             per_step = statistics.median(step_s[-BUDGET_WINDOW:])
             if eval_s and eval_idx:

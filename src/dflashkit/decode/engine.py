@@ -80,7 +80,7 @@ def attention_backends(graph: bool = False) -> Any:
     new input shape (milliseconds per layer on an H200), and outside CUDA graphs shapes are new
     all the time (prefills and joins of any length, verification over a growing cache): there it
     is left out. Inside a graph, captured once per shape, it is the fastest measured: graph
-    captures (`static.Graphs`) allow it (docs/benchmarks.md, serving: "where a join's 125 ms went")."""
+    captures (`static.Graphs`) allow it (docs/benchmarks.md, Decoding)."""
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return sdpa_kernel(backends + [SDPBackend.CUDNN_ATTENTION] if graph else backends)
 

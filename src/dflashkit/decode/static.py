@@ -51,7 +51,7 @@ GRAPH_MAX_TOKENS = 256  # round steps of more tokens per row run eagerly
 # A prefill, or a prompt's first draft, of at most this many rows x tokens runs from a CUDA graph,
 # its length padded to a multiple of `engine.LENGTH_BUCKET` (few shapes); larger ones run eagerly,
 # so that no graph keeps the memory of a long pass. Eagerly, a 150-200-token SmolLM2 prefill is
-# ~1,200 launches (34 ms on an H200's host), from its graph 2.6 ms (docs/benchmarks.md).
+# ~1,200 launches (34 ms on an H200's host), from its graph 2.6 ms.
 SMALL_PASS_TOKENS = 512
 # A join's prefill (`Engine.join`: a few requests joining a running batch) of at most this many
 # rows x tokens runs on a staging engine from CUDA graphs: eagerly it is ~1,200 launches for a
@@ -246,7 +246,7 @@ def _fuse(mods: list[nn.Module], columns: bool = False) -> Tensor:
     columns: stored transposed, [in, sum of outs], and returned as its transposed view (one module
     alone is re-laid out so): on an H200, cuBLAS reads the output, gate/up, down and LM-head
     weights of a Qwen3-8B pass so stored up to 7 % faster (the pass's GEMMs 3-4 % at 1-16 rows),
-    and as fast or faster at 256, while q/k/v lose 12 % at 256 rows (`benchmarks/bench_gemm.py`, docs/benchmarks.md)."""
+    and as fast or faster at 256, while q/k/v lose 12 % at 256 rows."""
     ws = [mod.weight for mod in mods]
     rows, cols = sum(w.shape[0] for w in ws), ws[0].shape[1]
     step = 1 if columns else cols  # storage elements from one output row to the next
@@ -369,14 +369,14 @@ def compiled(fn: Callable) -> Callable:
     sizes (hidden, head dim) stay constants: Inductor keeps a norm's reduction in registers (a
     persistent reduction) only over a size it knows. With every size symbolic (`dynamic=True`),
     a Qwen3-8B verification pass took 5.83 instead of 5.53 ms at batch 1, 10.97 instead of 9.55
-    ms at batch 16 on an H200 (docs/benchmarks.md). `ALL_DYNAMIC` restores that (the benchmarks'
+    ms at batch 16 on an H200. `ALL_DYNAMIC` restores that (the benchmarks'
     `--all-dynamic` baseline)."""
     return torch.compile(fn, dynamic=True if ALL_DYNAMIC else None, options=inductor_options())
 
 
 def inductor_options() -> dict[str, Any]:
     # COMBO_KERNELS: Inductor's combo kernels, independent kernels of a graph launched as one. A
-    # candidate (`--combo-kernels`): on an H200 fewer launches, but no faster round (docs/benchmarks.md).
+    # candidate (`--combo-kernels`): on an H200 fewer launches, but no faster round.
     return {"combo_kernels": True} if COMBO_KERNELS else {}
 
 
