@@ -2,8 +2,7 @@
 
 A verification pass attends 16 (DFlash) or 65 (DDTree-64) queries per row over the cache under an
 additive mask (the tree's visibility), one call per layer. At batch 1 that is little work spread
-over few thread blocks, and on an H200 cuDNN's flash kernel took ~18 us a call (docs/benchmarks.md,
-"where a round's device time goes"). This script times the candidates side by side, each replayed
+over few thread blocks, and on an H200 cuDNN's flash kernel takes ~18 us a call. This script times the candidates side by side, each replayed
 from a CUDA graph as the engine replays its passes, on the shapes of a Qwen3-8B target (32 query
 heads, 8 KV heads, head dim 128), and checks each against the math reference:
 

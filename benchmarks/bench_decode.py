@@ -442,10 +442,10 @@ def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_toke
             "peak_extra_mib": peak}
 
 
-SWITCHES = {  # flag -> the former code path or candidate it selects
-    "--all-dynamic": "compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)), as "
-                     "before automatic dynamic shapes (`static.compiled`)",
-    "--row-major": "keep every weight [out, in] as loaded, as before the output, MLP and LM-head weights were stored "
+SWITCHES = {  # flag -> the alternative code path it selects
+    "--all-dynamic": "compile the target's layer functions with every size symbolic (torch.compile(dynamic=True)) "
+                     "instead of automatic dynamic shapes (`static.compiled`)",
+    "--row-major": "keep every weight [out, in] as loaded instead of storing the output, MLP and LM-head weights "
                    "[in, out] on CUDA (`static.COLUMN_WEIGHTS`)",
     "--combo-kernels": "compile with Inductor's combo kernels (independent kernels of a compiled function launched as "
                        "one; `static.COMBO_KERNELS`)",
@@ -453,15 +453,15 @@ SWITCHES = {  # flag -> the former code path or candidate it selects
                        "kernels a layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)",
     "--sdpa-rows": "passes of several rows attend through SDPA (cuDNN inside CUDA graphs, the output permuted "
                    "after it) instead of the fused few-query kernel (`few_attention.ROWS`)",
-    "--token-heads": "one program per (token, head) in the heads kernel, as before it took `heads.BLOCK_T` tokens "
+    "--token-heads": "one program per (token, head) in the heads kernel instead of `heads.BLOCK_T` tokens "
                      "per program",
-    "--short-spans": "split short caches into spans of keys and combine them, as before one span was written "
+    "--short-spans": "split short caches into spans of keys and combine them instead of writing one span "
                      "directly up to `few_attention.DIRECT_KEYS` slots",
 }
 
 
 def add_baseline_options(ap: argparse.ArgumentParser) -> None:
-    """Other code paths of the static engine (former ones, or candidates), for side-by-side comparisons."""
+    """Other code paths of the static engine than its defaults, for side-by-side comparisons."""
     for flag, text in SWITCHES.items():
         ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument("--few-attention", choices=("auto", "fused", "written"), default="auto",
