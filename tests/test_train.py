@@ -159,11 +159,12 @@ def test_a_signal_while_the_data_loads_stops_before_the_first_step(tmp_path, mon
         real(self, *a, **k)
 
     monkeypatch.setattr(train_mod.Batcher, "__init__", init)
-    with pytest.raises(train_mod.TrainingStopped, match="SIGTERM before its first step") as e:
+    # Nothing saved: the message names what works (--resume has no checkpoint to resume from).
+    with pytest.raises(train_mod.TrainingStopped, match="SIGTERM before its first step.*--auto-resume.*--overwrite") as e:
         run_job(str(tmp_path / "run"), ["train.max_steps=6"])
     assert e.value.step == 0 and not (tmp_path / "run" / "latest.json").exists()
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="holds an earlier run"):  # its config.yaml, but no checkpoint
+    with pytest.raises(ValueError, match="earlier run that saved no checkpoint .*; --auto-resume or --overwrite"):
         run_job(str(tmp_path / "run"), ["train.max_steps=6"])
     run_job(str(tmp_path / "run"), ["train.max_steps=6"], auto_resume=True)  # no checkpoint: afresh
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
@@ -261,7 +262,7 @@ def test_a_used_directory_is_refused_locked_and_pruned_by_step(tmp_path):
     assert (out / "metrics.jsonl").read_text() == first  # untouched
     with open(out / ".lock", "a") as held:  # another run holds the directory
         fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.raises(RuntimeError, match=r"in use by another `train` run"):
+        with pytest.raises(RuntimeError, match=r"in use by `dflashkit train` \(pid \d+\)"):
             run_job(str(out), ["train.max_steps=2"], resume=True)
     (out / ".latest.json.999999999.tmp").write_text("{")  # a temp file of a killed writer
     run_job(str(out), ["train.max_steps=2", "train.eval_every=1000"], overwrite=True)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from dflashkit.checkpoint import (CONFIG, WEIGHTS, CheckpointError, atomic_save, atomic_write_bytes,
                                   atomic_write_json, load_drafter, save_drafter)
 from dflashkit.drafter import SLIDING, DFlashDrafter, DrafterConfig
+from dflashkit.rundir import output_directory
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,8 @@ def remote_code_source() -> bytes:
 def export_reference(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype | None = None) -> Path:
     """config.json (+ auto_map) + model.safetensors + dflash.py, each written atomically."""
     out = Path(out)
-    save_drafter(drafter, out, dtype=dtype)
+    save_drafter(drafter, out, dtype=dtype, config_extra={"auto_map": AUTO_MAP})
     atomic_write_bytes(out / REMOTE_CODE, remote_code_source())
-    cfg = json.loads((out / CONFIG).read_text())
-    cfg["auto_map"] = AUTO_MAP
-    atomic_write_json(out / CONFIG, cfg)
     return out
 
 
@@ -212,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
                         "`vllm serve TARGET --speculative-config '{\"method\": \"dflash\", \"model\": \"%s\", ...}'`", out)
     elif args.verifier is not None:
         raise ValueError("--verifier applies to --format speculators only")
-    export(drafter, out, fmt, **kw)
+    with output_directory(out, "export"):
+        export(drafter, out, fmt, **kw)
     c = drafter.config
     print(f"exported {args.drafter} -> {out} ({fmt}): {c.num_hidden_layers} layers, taps {c.target_layer_ids}, "
           f"block {c.block_size}, mask token {c.mask_token_id}")

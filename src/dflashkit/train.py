@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import logging
@@ -48,7 +47,7 @@ from torch import Tensor
 from torch.nn.utils import get_total_norm
 
 from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
-                                  load_training_state, remove_stale_temp_files, save_drafter, target_problems)
+                                  load_training_state, save_drafter, target_problems, temp_path)
 from dflashkit import versions
 from dflashkit.config import dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow
@@ -56,6 +55,7 @@ from dflashkit.optim import HostAdamW
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
                                  check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
 from dflashkit.progress import progress
+from dflashkit.rundir import output_directory, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -554,26 +554,11 @@ def export_drafter(config: DrafterConfig, params: dict[str, Tensor], dtype: torc
     return d
 
 
-def _replace_dir(final: Path, write: Callable[[Path], Any]) -> None:
-    """Write a directory under a temporary name, then rename it into place."""
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
 def save_checkpoint(out_dir: Path, step: int, drafter: DFlashDrafter, training_state: dict[str, Any], keep_last: int) -> Path:
     ckpts = out_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
     final = ckpts / f"step-{step:08d}"
-    _replace_dir(final, lambda p: save_drafter(drafter, p, training_state=training_state))
+    replace_dir(final, lambda p: save_drafter(drafter, p, training_state=training_state))
     atomic_write_json(out_dir / "latest.json", {"step": step, "checkpoint": str(final.relative_to(out_dir))})
     # By step number, the one just written (what latest.json names) always kept.
     others = sorted((p for p in ckpts.glob("step-*") if p != final and _step_of(p) is not None), key=_step_of)
@@ -601,11 +586,15 @@ class TrainingStopped(Exception):
     """SIGTERM or SIGINT stopped training after a step, whose checkpoint was saved. `exit_code` is
     128 + the signal's number, as a shell reports a process that the signal ended."""
 
-    def __init__(self, step: int, signum: int, out_dir: Path,
-                 then: str = "continue with `dflashkit train --resume` and the same config") -> None:
+    def __init__(self, step: int, signum: int, out_dir: Path, then: str | None = None) -> None:
         self.step, self.signum, self.out_dir, self.exit_code = step, signum, out_dir, 128 + signum
-        where = (f"after step {step}, whose checkpoint is saved in {out_dir}" if step else
-                 "before its first step (nothing to save)")
+        if step:
+            where = f"after step {step}, whose checkpoint is saved in {out_dir}"
+            then = then or "continue with `dflashkit train --resume` (or --auto-resume) and the same config"
+        else:  # no checkpoint to resume from: --resume would fail
+            where = "before its first step (nothing to save)"
+            then = then or ("start it again with `dflashkit train --auto-resume` (it starts afresh while the output "
+                            "directory has no checkpoint) or --overwrite, and the same config")
         super().__init__(f"stopped by {signal.Signals(signum).name} {where}; {then}")
 
 
@@ -655,31 +644,30 @@ def stop_requested(got: list[int], d: Dist) -> int:
 
 @contextmanager
 def run_directory(out_dir: Path, *, resume: bool, overwrite: bool, main: bool) -> Iterator[None]:
-    """Hold `<output_dir>/.lock` for the run (a second run into the directory fails at once), clean
-    temp files of killed runs, and refuse to start afresh over an earlier run's files unless asked."""
+    """Hold the output directory for the run (`rundir.output_directory`: a second run into it fails
+    at once; temp files of killed runs go) and refuse to start afresh over an earlier run's files
+    unless asked: `overwrite` removes those that dflashkit wrote, never a file of the user's."""
     if not main:
         yield
         return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(f"{out_dir} is in use by another `train` run (it holds {out_dir / '.lock'}); "
-                               "wait for it or choose another train.output_dir") from None
-        for d in (out_dir, out_dir / "checkpoints"):
-            if d.is_dir():
-                remove_stale_temp_files(d)
-        used = [n for n in RUN_FILES if (out_dir / n).exists()]
+    with output_directory(out_dir, "train", temp_dirs=("checkpoints",)) as owned:
+        used = owned.present(RUN_FILES)
         if used and not resume:
             if not overwrite:
-                raise ValueError(f"{out_dir} holds an earlier run ({', '.join(used)}); pass --resume to continue it, "
-                                 "--overwrite to replace it, or choose another train.output_dir")
+                raise ValueError(earlier_run(out_dir, used))
             log.warning("--overwrite: removing the earlier run in %s (%s)", out_dir, ", ".join(used))
-            for n in used:
-                p = out_dir / n
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            owned.remove(used)
+        owned.record(RUN_FILES)
         yield
+
+
+def earlier_run(out_dir: Path, used: list[str]) -> str:
+    """Why a fresh run refuses `out_dir`, and the options that work from there."""
+    if "latest.json" in used:
+        return (f"{out_dir} holds an earlier run ({', '.join(used)}); pass --resume (or --auto-resume) to continue it, "
+                "--overwrite to replace it, or choose another train.output_dir")
+    return (f"{out_dir} holds an earlier run that saved no checkpoint ({', '.join(used)}); --auto-resume or "
+            "--overwrite starts afresh (replacing its files), or choose another train.output_dir")
 
 
 def check_finite(step: int, values: dict[str, float], params: dict[str, Tensor] | None = None) -> None:
@@ -805,8 +793,8 @@ def plot_curves(metrics: Path, png: Path) -> None:
         if ax.get_legend_handles_labels()[0]:  # no held-out evaluation: nothing to label
             ax.legend()
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    tmp = temp_path(png)
+    fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     os.replace(tmp, png)
 
@@ -985,7 +973,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
             params = trainer.full_params()
             check_finite(done, {}, params)
             if d.main:
-                _replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
+                replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
                 atomic_write_json(out_dir / "best.json", best)
 
     if eval_idx and start == 0 and cfg.drafter.init_from:
@@ -1050,7 +1038,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         params = trainer.full_params()
         check_finite(step, {}, params)
         if d.main:
-            _replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
+            replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
     metrics.close()
     if d.main and metrics.path.is_file():
         plot_curves(metrics.path, out_dir / "curves.png")

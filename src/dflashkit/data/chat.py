@@ -358,13 +358,16 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from dflashkit.commands import config_from_args
+    from dflashkit.rundir import output_file
 
     cfg = config_from_args(args)
     src, out = args.input or cfg.data.regenerated, args.out or cfg.data.tokenized
     if not src or not out:
         raise ValueError("tokenize needs an input (--input or data.regenerated=PATH) and an output (--out or data.tokenized=PATH)")
-    tok = load_tokenizer(cfg.target.path, cfg.target.gguf_file)
-    stats = tokenize_file(src, tok, out, max_length=cfg.data.max_length, thinking=cfg.data.thinking, limit=cfg.data.limit)
+    with output_file(out, "tokenize"):
+        tok = load_tokenizer(cfg.target.path, cfg.target.gguf_file)
+        stats = tokenize_file(src, tok, out, max_length=cfg.data.max_length, thinking=cfg.data.thinking,
+                              limit=cfg.data.limit)
     print(f"{out}: {stats.written} samples, {stats.tokens} tokens ({stats.supervised_tokens} supervised), "
           f"{stats.target_ids} answers as the target's own token ids; "
           f"{stats.truncated} truncated to {cfg.data.max_length}, {stats.dropped_unsupervised} dropped "

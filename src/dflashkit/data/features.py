@@ -354,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
     from dflashkit.data.chat import load_tokenized
     from dflashkit.drafter import default_target_layer_ids
+    from dflashkit.rundir import output_directory
     from dflashkit.target import load_target
 
     cfg = config_from_args(args)
@@ -367,12 +368,15 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.target.device)
     if device == "cuda" and world > 1:
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
-    target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
-    layer_ids = cfg.drafter.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.drafter.num_taps)
-    t0 = time.perf_counter()
-    manifest = extract_features(target, samples, layer_ids, out, dtype=cfg.data.feature_dtype,
-                                batch_size=cfg.data.batch_size, shard_size=args.shard_size, rank=rank, world=world)
-    dt = time.perf_counter() - t0
+    # Each rank of a job holds a lock of its own (they share the directory); a second job meets
+    # rank 0's at once, before its target loads.
+    with output_directory(out, "extract", lock=".lock" if rank == 0 else f".lock.rank{rank}"):
+        target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+        layer_ids = cfg.drafter.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.drafter.num_taps)
+        t0 = time.perf_counter()
+        manifest = extract_features(target, samples, layer_ids, out, dtype=cfg.data.feature_dtype,
+                                    batch_size=cfg.data.batch_size, shard_size=args.shard_size, rank=rank, world=world)
+        dt = time.perf_counter() - t0
     if manifest is None:
         print(f"rank {rank}: shards done in {dt:.1f}s; the manifest is written by the last rank to finish")
     else:

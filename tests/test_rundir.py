@@ -1,0 +1,121 @@
+"""Output directories with an owner: one run at a time (a lock that names its holder), temp files
+named uniquely and cleaned on start, and `--overwrite` that removes only what dflashkit wrote and
+never follows a link."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from datahelpers import save_tiny_target
+from dflashkit.checkpoint import temp_path
+from dflashkit.cli import main as cli_main
+from dflashkit.rundir import MANIFEST, output_directory, output_file, replace_dir
+from train_job import run_job
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    model = save_tiny_target(root / "model")
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": str(i), "input_ids": torch.randint(20, 40000, (24,), generator=g).tolist(),
+             "loss_mask": [0] * 8 + [1] * 16} for i in range(4)]
+    (root / "tok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = [{"id": str(i), "messages": [{"role": "user", "content": f"Question {i}"},
+                                          {"role": "assistant", "content": f"Answer {i}."}]} for i in range(4)]
+    (root / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
+    return model, root
+
+
+def test_temp_names_are_unique_and_only_dead_writers_files_are_cleaned(tmp_path):
+    a, b = temp_path(tmp_path / "x.json"), temp_path(tmp_path / "x.json")
+    assert a != b and all(re.fullmatch(rf"\.x\.json\.{os.getpid()}\.[0-9a-f]{{8}}\.tmp", p.name) for p in (a, b))
+    dead = tmp_path / ".x.json.999999999.0badf00d.tmp"
+    older = tmp_path / ".y.json.999999999.tmp"  # as earlier versions named them
+    live = tmp_path / f".x.json.{os.getppid()}.0badf00d.tmp"  # a writer that still runs
+    sub = tmp_path / "checkpoints"
+    sub.mkdir()
+    stale_dir = sub / ".step-00000002.999999999.0badf00d.tmp"
+    stale_dir.mkdir()
+    for p in (dead, older, live):
+        p.write_text("{")
+    with output_directory(tmp_path, "train", temp_dirs=("checkpoints",)):
+        pass
+    assert not dead.exists() and not older.exists() and not stale_dir.exists() and live.exists()
+
+
+def test_replace_dir_leaves_no_temp_directory_when_the_write_fails(tmp_path):
+    final = tmp_path / "final"
+
+    def fail(p):
+        p.mkdir()
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        replace_dir(final, fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["extract", "tokenize", "export"])
+def test_a_second_run_into_a_held_output_fails_at_once_naming_the_holder(tiny_data, tmp_path, capsys, command):
+    model, root = tiny_data
+    out = tmp_path / "out"
+    overrides = [f"target.path={model}", "target.device=cpu", "drafter.num_taps=2"]
+    if command == "extract":
+        held, argv = output_directory(out, "extract"), ["--input", str(root / "tok.jsonl"), "--out", str(out)]
+    elif command == "tokenize":
+        out = tmp_path / "tok.jsonl"
+        held, argv = output_file(out, "tokenize"), ["--input", str(root / "answers.jsonl"), "--out", str(out)]
+    else:
+        held, argv, overrides = output_directory(out, "export"), [str(_bundled()), "--out", str(out)], []
+    with held:
+        rc = cli_main([command, *argv, *overrides])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"{out} is in use by `dflashkit {command}` (pid {os.getpid()})" in err, err
+    assert cli_main([command, *argv, *overrides]) == 0, capsys.readouterr().err  # free again
+
+
+def _bundled():
+    from dflashkit.demo import bundled_drafter_dir
+
+    return bundled_drafter_dir()
+
+
+STEPS = ["train.max_steps=1", "train.eval_every=1000", "train.save_every=1"]
+
+
+def test_overwrite_removes_only_what_dflashkit_wrote_and_never_follows_a_link(tmp_path):
+    out = tmp_path / "run"
+    run_job(str(out), STEPS)
+    assert {"config.yaml", "final", "checkpoints", "metrics.jsonl"} <= set(json.loads((out / MANIFEST).read_text())["files"])
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("mine")
+    os.rename(out / "final", tmp_path / "old-final")
+    (out / "final").symlink_to(precious, target_is_directory=True)  # a user's link where final/ was
+    (out / "notes.txt").write_text("mine")  # a file the run never wrote
+    run_job(str(out), STEPS, overwrite=True)
+    assert (precious / "keep.txt").read_text() == "mine" and (out / "notes.txt").read_text() == "mine"
+    assert not (out / "final").is_symlink() and (out / "final" / "model.safetensors").is_file()
+
+    # A directory whose config.yaml is the user's own: --overwrite refuses and removes nothing.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: settings\n")
+    (mine / "tb").mkdir()
+    with pytest.raises(ValueError, match=r"config\.yaml, tb were not written by dflashkit .* leaves them alone"):
+        run_job(str(mine), STEPS, overwrite=True)
+    assert (mine / "config.yaml").read_text() == "my: settings\n" and (mine / "tb").is_dir()
+
+
+def test_a_malformed_manifest_is_one_line_naming_it(tmp_path):
+    (tmp_path / MANIFEST).write_text('{"files": ["../etc"]}')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / MANIFEST))}: expected"):
+        with output_directory(tmp_path, "train"):
+            pass
