@@ -526,3 +526,48 @@ def test_an_unexplained_parting_fails_the_evaluation(monkeypatch, dtype):
     with pytest.raises(RuntimeError, match="p2-0 d/dflash at output position 5"):
         check_partings(rep)
     assert "NO, unexplained: p2-0" in markdown(rep)
+
+
+def test_a_load_change_between_methods_does_not_skew_the_speedup(monkeypatch):
+    """A synthetic clock: an autoregressive step costs 1 unit and a DFlash round 2, times the
+    machine's load. A load that rises 4x between the two methods of one prompt (and stays) leaves
+    the speed-up exactly where it is without any change of load, though a sum of seconds over
+    prompts moves; the spread is marked too wide to trust. A speed-up above τ (the autoregressive
+    runs alone slowed) is flagged as not credible."""
+    import dflashkit.evaluate.online as ev
+
+    real, calls = ev.generate, []
+
+    def clocked(load):
+        def timed(engine, ids, *, method, **kw):
+            g = real(engine, ids, method=method, **kw)
+            calls.append(method)
+            steps = len(g.tokens) - 1 if method == "ar" else 2 * g.rounds
+            g.prefill_seconds, g.decode_seconds = 0.0, steps * load(len(calls), method)
+            return g
+        return timed
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    prompts = _tiny_prompts(5, 3)
+
+    def evaluate(load):
+        calls.clear()
+        monkeypatch.setattr(ev, "generate", clocked(load))
+        rep = evaluate_online(target, {"d": drafter}, prompts, methods=["dflash"], max_new_tokens=12, engine="hf")
+        return rep, rep["drafters"]["d"]["methods"]["dflash"]
+
+    _, steady = evaluate(lambda n, method: 1.0)
+    assert calls == ["ar", "dflash", "dflash", "ar"] * 2 + ["ar", "dflash"]  # the order rotates per prompt
+    assert steady["speedup"] == pytest.approx(steady["tau"] / 2) and steady["round_cost"] == pytest.approx(2)
+    assert not steady["spread_wide"] and not steady["above_tau"]
+    rep, step = evaluate(lambda n, method: 1.0 if n <= 5 else 4.0)  # rises between AR and DFlash of prompt 3
+    assert step["speedup"] == pytest.approx(steady["speedup"])
+    summed = step["tokens_per_s"] / rep["baseline"]["tokens_per_s"]  # seconds summed over prompts
+    assert summed < 0.8 * step["speedup"]
+    assert step["spread_wide"] and not step["above_tau"]
+    assert f"| d | dflash | {step['tau']:.3f} | {step['rounds']} | " in markdown(rep)
+    assert f"| {step['speedup']:.2f}x~ (" in markdown(rep) and "too wide to trust" in markdown(rep)
+    rep, fast = evaluate(lambda n, method: 5.0 if method == "ar" else 1.0)
+    assert fast["speedup"] == pytest.approx(2.5 * fast["tau"]) and fast["above_tau"] and not fast["spread_wide"]
+    assert f"| {fast['speedup']:.2f}x! (" in markdown(rep)

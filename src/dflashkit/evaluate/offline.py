@@ -17,12 +17,13 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
-from dflashkit.decode.tree import TOP_K, Trees, best_first, candidates, chains, verification, walk
+from dflashkit.decode.tree import Trees, best_first, candidates, chains, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.evaluate.summary import method_labels, summarize
+from dflashkit.method import TOP_K
 from dflashkit.objective import replay_rounds
+from dflashkit.progress import progress
 from dflashkit.target import Target
 
 class FeatureItem(Protocol):
@@ -107,7 +108,7 @@ def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: It
     samples, tokens = 0, 0
     total = len(items) if hasattr(items, "__len__") else None
     total = min(x for x in (total, limit) if x is not None) if (total or limit) else None
-    for item in tqdm(items, desc="offline eval", unit="sample", total=total, disable=None):
+    for item in progress(items, desc="offline eval", unit="sample", total=total):
         if limit is not None and samples >= limit:
             break
         samples += 1

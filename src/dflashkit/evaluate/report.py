@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.evaluate.partings import NUMERICAL_ULPS
+from dflashkit.evaluate.speed import SPEEDUP_LEGEND, speedup_mark
 
 def method_table(report: dict[str, Any]) -> list[str]:
     """One row per drafter and method: the online or offline columns."""
@@ -21,7 +22,7 @@ def method_table(report: dict[str, Any]) -> list[str]:
         for lab, m in d["methods"].items():
             if online:
                 lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
-                             f"{m['speedup']:.2f}x | {m['decode_speedup']:.2f}x | {_identical(m)} |")
+                             f"{speedup_cell(m)} | {m['decode_speedup']:.2f}x | {_identical(m)} |")
             else:
                 lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
     return lines
@@ -48,6 +49,8 @@ def markdown(report: dict[str, Any]) -> str:
     else:
         lines.append(f"- samples: {report['samples']}, answer tokens: {report['answer_tokens']}")
     lines += ["", *method_table(report)]
+    if online:
+        lines += ["", SPEEDUP_LEGEND + " Beside a speed-up: its range over the central 80 % of prompts."]
     lines += ["", "τ = accepted draft tokens + 1 per round (the final round of an answer counts tokens up to its end). "
               "Per-slot acceptance P(τ > k) and histograms: report.json, tau_hist.png, slot_acceptance.png"
               + (", suites.png (τ per suite)." if report.get("headline") else ".")]
@@ -64,6 +67,12 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("On a GPU, where the near-ties fall also depends on what else a run decodes (suites, drafters, "
                          "methods): compare drafters within one report, not across runs of different commands.")
     return "\n".join(lines) + "\n"
+
+
+def speedup_cell(m: dict[str, Any]) -> str:
+    """'1.23x (0.95-1.40)', marked where the spread is too wide or the speed-up above τ (`speed.speedup_mark`)."""
+    lo, hi = m["speedup_interval"]
+    return f"{m['speedup']:.2f}x{speedup_mark(m)} ({lo:.2f}-{hi:.2f})"
 
 
 def _identical(m: dict[str, Any]) -> str:
@@ -119,8 +128,8 @@ def suite_table(report: dict[str, Any]) -> list[str]:
     lines = [head, "| --- | --- | " + "---: | " * (len(names) + 1) + "--- | ---: |"]
     for name, methods in report["headline"].items():
         for lab, h in methods.items():
-            cells = [f"{report['suites'][s]['drafters'][name][lab]['tau']:.2f} ({report['suites'][s]['drafters'][name][lab]['speedup']:.2f}x)"
-                     for s in names]
+            cells = [f"{m['tau']:.2f} ({m['speedup']:.2f}x{speedup_mark(m)})"
+                     for m in (report["suites"][s]["drafters"][name][lab] for s in names)]
             lines.append(f"| {name} | {lab} | " + " | ".join(cells) +
                          f" | **{h['mean_tau']:.2f} ({h['mean_speedup']:.2f}x)** | {h['worst_suite']} {h['worst_tau']:.2f} | "
                          f"{h['worst_to_best']:.2f} |")
@@ -131,7 +140,8 @@ def suite_table(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {what} | " + " | ".join(
                 f"{sims[s]:.2f}" if s in sims else "–" for s in names) + " | | | |")
     lines += ["", "Cells: τ (speed-up over autoregressive decoding of the same suite); column heads: prompts × answer "
-              "tokens. The mean weighs every suite the same; worst/best: the lowest suite τ over the highest."]
+              "tokens. The mean weighs every suite the same; worst/best: the lowest suite τ over the highest.",
+              "", SPEEDUP_LEGEND]
     first = next(iter(report["headline"].values()), {})
     if any("mean_tau_interval" in h for h in first.values()):
         lines += ["", "τ with 90 % intervals over prompts (bootstrap: each suite's prompts resampled, 2,000 draws): "

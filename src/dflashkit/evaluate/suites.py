@@ -17,48 +17,52 @@ import torch
 from dflashkit import versions
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.evaluate.online import Prompt, evaluate_online
+from dflashkit.evaluate.speed import speedup_stats
 from dflashkit.target import Target
 
 log = logging.getLogger(__name__)
 
+SAVED_FORMAT = 2  # of a saved suite's report (2: per-prompt round costs); a saved suite of another is evaluated again
+
+
+def pooled_method(ms: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One drafter's method over several reports (`ms`, their per_prompt `rows`): sums of tokens,
+    seconds and rounds; τ, histogram and slot acceptance weighted by rounds; the speed-up from
+    every prompt's round cost (`speed.speedup_stats`)."""
+    rounds = sum(m["rounds"] for m in ms)
+    tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
+    tau = sum(m["tau"] * m["rounds"] for m in ms) / max(rounds, 1)
+    costs = [row["round_cost"][key] for row in rows if key in row.get("round_cost", {})]
+    out = {"tau": tau, "rounds": rounds, "hist": [sum(h) for h in zip(*(m["hist"] for m in ms))],
+           "slot_acceptance": [sum(m["slot_acceptance"][i] * m["rounds"] for m in ms) / max(rounds, 1)
+                               for i in range(len(ms[0]["slot_acceptance"]))],
+           "tokens": tokens, "seconds": seconds, "decode_seconds": sum(m["decode_seconds"] for m in ms),
+           "tokens_per_s": tokens / max(seconds, 1e-9),
+           **speedup_stats(tau, [c for c, _ in costs], [d for _, d in costs]),
+           "identical": None if ms[0]["identical"] is None else all(m["identical"] for m in ms),
+           "mismatches": [x for m in ms for x in m["mismatches"]],
+           "unexplained_partings": [x for m in ms for x in m["unexplained_partings"]],
+           "identical_prompts": None if ms[0]["identical"] is None else sum(m["identical_prompts"] for m in ms)}
+    if all("draft_sizes" in m for m in ms):
+        out["draft_sizes"] = {k: sum(m["draft_sizes"][k] * m["rounds"] for m in ms) / max(rounds, 1)
+                              for k in ("mean", "drafted_share")}
+    return out
+
 
 def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Online reports of disjoint prompt sets -> one report over all of their prompts (sums of
-    tokens, seconds and rounds; τ, histogram and slot acceptance weighted by rounds)."""
+    """Online reports of disjoint prompt sets -> one report over all of their prompts (`pooled_method`)."""
     first = parts[0]
     base = {k: sum(p["baseline"][k] for p in parts) for k in ("tokens", "seconds", "decode_seconds")}
     base["tokens_per_s"] = base["tokens"] / max(base["seconds"], 1e-9)
+    rows = [row for p in parts for row in p["per_prompt"]]
     drafters: dict[str, Any] = {}
     for name, d in first["drafters"].items():
-        methods = {}
-        for lab in d["methods"]:
-            ms = [p["drafters"][name]["methods"][lab] for p in parts]
-            rounds = sum(m["rounds"] for m in ms)
-            tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
-
-            def weighted(key: str) -> float:
-                return sum(m[key] * m["rounds"] for m in ms) / max(rounds, 1)
-
-            decode_s = sum(m["decode_seconds"] for m in ms)
-            methods[lab] = {
-                "tau": weighted("tau"), "rounds": rounds, "hist": [sum(h) for h in zip(*(m["hist"] for m in ms))],
-                "slot_acceptance": [sum(m["slot_acceptance"][i] * m["rounds"] for m in ms) / max(rounds, 1)
-                                    for i in range(len(ms[0]["slot_acceptance"]))],
-                "tokens": tokens, "seconds": seconds, "decode_seconds": decode_s, "tokens_per_s": tokens / max(seconds, 1e-9),
-                "speedup": tokens / max(seconds, 1e-9) / base["tokens_per_s"],
-                "decode_speedup": tokens / max(decode_s, 1e-9) / (base["tokens"] / max(base["decode_seconds"], 1e-9)),
-                "identical": None if ms[0]["identical"] is None else all(m["identical"] for m in ms),
-                "mismatches": [x for m in ms for x in m["mismatches"]],
-                "unexplained_partings": [x for m in ms for x in m["unexplained_partings"]],
-                "identical_prompts": None if ms[0]["identical"] is None else sum(m["identical_prompts"] for m in ms)}
-            if all("draft_sizes" in m for m in ms):
-                methods[lab]["draft_sizes"] = {k: sum(m["draft_sizes"][k] * m["rounds"] for m in ms) / max(rounds, 1)
-                                               for k in ("mean", "drafted_share")}
+        methods = {lab: pooled_method([p["drafters"][name]["methods"][lab] for p in parts], rows, f"{name}/{lab}")
+                   for lab in d["methods"]}
         drafters[name] = {"block_size": d["block_size"], "methods": methods,
                           **({"cost_curves": d["cost_curves"]} if "cost_curves" in d else {})}
     return {"mode": "online", "prompts": sum(p["prompts"] for p in parts), "greedy": first["greedy"],
-            "dtype": first["dtype"], "baseline": base, "drafters": drafters,
-            "per_prompt": [row for p in parts for row in p["per_prompt"]]}
+            "dtype": first["dtype"], "baseline": base, "drafters": drafters, "per_prompt": rows}
 
 
 def drafters_digest(drafters: dict[str, DFlashDrafter]) -> str:
@@ -82,8 +86,8 @@ def suite_fingerprint(target: Target, drafters_sha: str, suite: Any, prompts: Se
         h.update(pr.id.encode())
         h.update(pr.ids.cpu().numpy().tobytes())
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else target.device.type
-    settings = {"versions": versions(), "target": target.name, "dtype": str(target.dtype), "device": device, "suite": suite.name,
-                "max_new_tokens": suite.max_new_tokens,
+    settings = {"format": SAVED_FORMAT, "versions": versions(), "target": target.name, "dtype": str(target.dtype),
+                "device": device, "suite": suite.name, "max_new_tokens": suite.max_new_tokens,
                 **{k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in kw.items()}}
     h.update(json.dumps(settings, sort_keys=True, default=repr).encode())
     return h.hexdigest()
@@ -137,7 +141,8 @@ def evaluate_suites(target: Target, drafters: dict[str, DFlashDrafter], suites: 
         parts.append(rep)
         table[suite.name] = {"prompts": rep["prompts"], "max_new_tokens": suite.max_new_tokens,
                              "baseline_tokens_per_s": rep["baseline"]["tokens_per_s"],
-                             "drafters": {n: {lab: {k: m[k] for k in ("tau", "rounds", "speedup", "identical", "mismatches",
+                             "drafters": {n: {lab: {k: m[k] for k in ("tau", "rounds", "speedup", "speedup_interval", "spread_wide",
+                                                                     "above_tau", "identical", "mismatches",
                                                                      "draft_sizes", "slot_acceptance") if k in m}
                                               for lab, m in d["methods"].items()} for n, d in rep["drafters"].items()}}
     report = pool_reports(parts)
