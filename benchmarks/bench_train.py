@@ -44,12 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from dflashkit import masks
 from dflashkit import objective as objective_mod
+from dflashkit.bench.memory import bisect_longest
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, training_hidden
 from dflashkit.objective import IGNORE, LossOut, micro_batch, pad_anchors, sample_anchors, slot_weights
 from dflashkit.train import SEQ_MULTIPLE, Dist, Trainer, init_distributed
@@ -284,30 +285,6 @@ def step_peak(trainer: Trainer, mb, mem: Memory) -> float:
     mem.reset()
     trainer.step([mb], 1)
     return mem.peak()
-
-
-def bisect_longest(fits: Callable[[int], bool], start: int, known_fit: int | None, mult: int,
-                   tries: int) -> dict[str, Any]:
-    """The longest length (a multiple of `mult`) for which `fits`, monotone in the length, holds:
-    try `start`, grow by a quarter while it fits and nothing failed yet, else bisect between the
-    longest length that fitted and the shortest that did not, for at most `tries` calls. ->
-    {fits: longest that fitted (None: none tried did), fails_at: shortest that did not, tried}."""
-    lo, hi, tried, T = known_fit, None, [], start
-    for _ in range(tries):
-        tried.append(T)
-        if fits(T):
-            lo = T
-        else:
-            hi = T
-        if hi is None:
-            T = (T * 5 // 4) // mult * mult
-        elif lo is None:
-            T = (T * 3 // 4) // mult * mult
-        else:
-            T = (lo + hi) // 2 // mult * mult
-        if (hi is not None and lo is not None and hi - lo <= mult) or T in tried:
-            break
-    return {"fits": lo, "fails_at": hi, "tried": tried}
 
 
 def longest_sequence(trainer: Trainer, shape: dict, device, dtype, budget_gib: float, seed: int, tries: int = 8) -> dict:
