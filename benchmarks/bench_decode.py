@@ -49,11 +49,12 @@ from dflashkit import few_attention
 from dflashkit.commands import positive_int
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate, generate_batch
-from dflashkit.decode import heads as heads_mod
 from dflashkit.decode import static as static_mod
 from dflashkit.decode.static import runner_features, static_engine
-from dflashkit.decode.tree import TOP_K, Walk, walk
+from dflashkit.decode.tree import Walk, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+from dflashkit.kernels import heads as heads_mod
+from dflashkit.method import TOP_K
 from dflashkit.target import Target
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -274,7 +275,7 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
     runs B times the tokens, so that both kinds time as many rounds (three rounds of 16 tokens
     were noise: their draft stage varied by 3 ms from one batch size to the next). draft_tokens:
     the engine's (`Engine`; default the drafter's whole block)."""
-    from dflashkit.decode import loop
+    from dflashkit.decode import round as round_mod
 
     make = engines(device, compile_ok=True).get("fused-cd") or engines(device, compile_ok=False)["static"]
     out: dict = {}
@@ -282,7 +283,7 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
         for kind in ("ar", "tau1", "accept-all"):
             method = "ar" if kind == "ar" else "dflash"
             eng = make(target, drafter, draft_tokens=draft_tokens)
-            loop.walk = accept_everything if kind == "accept-all" else walk
+            round_mod.walk = accept_everything if kind == "accept-all" else walk
             prompts = [ids[0]] * b
             n = new_tokens * (eng.block if kind == "accept-all" else 1)
             generate_batch(eng, prompts, max_new_tokens=n, method=method)  # capture graphs / compile
@@ -295,7 +296,7 @@ def batch_rows(target: Target, drafter: DFlashDrafter, ids: torch.Tensor, batche
                 out[key] = kernel_table(lambda: run()[0], device, kernels)
                 if device.type == "cuda":
                     out[key]["stages"] = stage_kernels(lambda: run(profile=True)[0], kernels)
-            loop.walk = walk
+            round_mod.walk = walk
             g = gens[0]
             r = {"round_ms": 1e3 * g.decode_seconds / g.rounds, "tau": g.tau,
                  "tokens_per_s": sum(len(x.tokens) - 1 for x in gens) / g.decode_seconds,
@@ -369,12 +370,12 @@ def kernel_table(run, device: torch.device, top: int) -> dict:
 def stage_kernels(run, top: int) -> dict:
     """The kernels of each stage of a round (draft, tree, verify, commit), per round: `run()` is a
     generation with `profile=True`, whose loop synchronises CUDA at every stage boundary and marks
-    it in the trace (`loop.STAGE_END`), so a kernel belongs to the stage of the first mark after it
+    it in the trace (`round.STAGE_END`), so a kernel belongs to the stage of the first mark after it
     starts."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from dflashkit.decode.loop import STAGE_END
+    from dflashkit.decode.round import STAGE_END
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         g = run()
@@ -450,7 +451,7 @@ SWITCHES = {  # flag -> the alternative code path it selects
     "--combo-kernels": "compile with Inductor's combo kernels (independent kernels of a compiled function launched as "
                        "one; `static.COMBO_KERNELS`)",
     "--unfused-heads": "make the q/k/v heads (norms, RoPE, cache stores) with the compiled PyTorch code, several "
-                       "kernels a layer, instead of `decode/heads.py`'s one kernel (`heads.ENABLED`)",
+                       "kernels a layer, instead of `kernels/heads.py`'s one kernel (`heads.ENABLED`)",
     "--sdpa-rows": "passes of several rows attend through SDPA (cuDNN inside CUDA graphs, the output permuted "
                    "after it) instead of the fused few-query kernel (`few_attention.ROWS`)",
     "--token-heads": "one program per (token, head) in the heads kernel instead of `heads.BLOCK_T` tokens "

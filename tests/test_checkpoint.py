@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_drafter
 from dflashkit.checkpoint import CheckpointError, join_drafter, load_drafter, save_drafter, split_drafter
+from dflashkit.decode.cache import drafter_cache
 from dflashkit.drafter import draft_block
 
 REFERENCE_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
@@ -23,7 +24,7 @@ def _logits(drafter, target, seed=0):
     torch.manual_seed(seed)
     ids = torch.randint(3, 120, (1, 14))
     feats = target.forward(ids, drafter.config.target_layer_ids).features
-    return target.lm_head(draft_block(drafter, target.embed, drafter.new_cache(), feats[:, :10], ids[:, 10]))
+    return target.lm_head(draft_block(drafter, target.embed, drafter_cache(drafter), feats[:, :10], ids[:, 10]))
 
 
 def test_round_trip_bit_exact(tiny_target, tmp_path):

@@ -15,14 +15,14 @@ from safetensors.torch import save_file
 from conftest import children, make_tiny_drafter, make_tiny_target, ragged_trees, read_late
 from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import loop as loop_mod
-from dflashkit.decode.command import chat_ids
+from dflashkit.decode import round as round_mod
 from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import Sampling, new_generator, target_tokens
 from dflashkit.decode.loop import Request, decode_stream, generate, generate_batch
 from dflashkit.decode.static import static_engine
 from dflashkit.decode.tree import Trees, ancestors, best_first, chains, draft_trees, verification, walk
 from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+from dflashkit.generate import chat_ids
 from dflashkit.target import Target
 
 def padded_engine(target: Target, drafter: DFlashDrafter | None = None) -> Engine:
@@ -586,7 +586,7 @@ def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeyp
     2nd and 3rd tokens (decided by tree walks) and on each token's marginal. The lossy variant
     proves that the test can fail."""
     if lossy:
-        monkeypatch.setattr(loop_mod, "target_tokens", _lossy_target_tokens)
+        monkeypatch.setattr(round_mod, "target_tokens", _lossy_target_tokens)
     if cost_aware:  # the verified prefix chosen per round; every round drafts (skipping is plain sampling)
         from dflashkit.decode import cost
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_drafter
 from dflashkit.checkpoint import CheckpointError, load_drafter
 from dflashkit.cli import main
+from dflashkit.decode.cache import drafter_cache
 from dflashkit.drafter import block_token_ids, draft_block, training_hidden
 from dflashkit.export import (AUTO_MAP, export_reference, export_speculators, from_speculators_layer_ids,
                               load_speculators, remote_code_source, to_speculators_layer_ids)
@@ -72,7 +73,7 @@ def test_remote_code_model_matches_drafter(drafter, tiny_target, tmp_path):
     hs = tiny_target.model(ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(extract_context_feature(hs, remote.target_layer_ids), feats, atol=1e-6, rtol=0)
     with torch.no_grad():
-        ours = draft_block(drafter, tiny_target.embed, drafter.new_cache(), feats[:, :c], ids[:, c])
+        ours = draft_block(drafter, tiny_target.embed, drafter_cache(drafter), feats[:, :c], ids[:, c])
         emb = tiny_target.embed(block_token_ids(ids[:, c:c + 1], B, remote.mask_token_id))
         theirs = remote(emb, feats[:, :c], torch.arange(c + B).expand(2, -1))
         torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""The one-kernel q/k/v heads (`decode/heads.py`, Triton) equal `static.qkv` in PyTorch: the
+"""The one-kernel q/k/v heads (`kernels/heads.py`, Triton) equal `static.qkv` in PyTorch: the
 queries in the attention's layout and the keys and values written into the cache at ragged slots,
 for Qwen3's head norms, Gemma's (1 + w) norms and no head norms (Llama); and, without queries, the
 drafter's keys and values as its own layers make them. On CUDA in bf16,
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import in_triton_interpreter
-from dflashkit.decode import heads
+from dflashkit.kernels import heads
 
 pytestmark = pytest.mark.skipif(heads.triton is None, reason="Triton is not installed")
 
@@ -74,7 +74,7 @@ def check_keys_values(dtype: torch.dtype, device: str) -> None:
     layer of a cache of two; nothing else touched. On CUDA, `Attention.store` takes this path; under
     torch.compile it writes each layer as eager does."""
     from dflashkit.decode.cache import KVCache
-    from dflashkit.decode.packed import fused_linear
+    from dflashkit.kernels.packed import fused_linear
     from dflashkit.drafter import Attention, DrafterConfig, rope_cos_sin
 
     g = torch.Generator().manual_seed(1)

@@ -1,5 +1,6 @@
 """The package's import graph has no cycle, counting imports inside functions too: each
-module depends only on modules below it (docs/architecture.md draws the layers)."""
+module depends only on modules below it (docs/architecture.md draws the layers). The model pieces
+and the configuration sit below the decoding package, and decoding below the data pipeline."""
 
 from __future__ import annotations
 
@@ -64,3 +65,28 @@ def test_decoding_leaf_and_server_layers():
     assert not graph["dflashkit.decode.generation"], "decode/generation.py is the leaf: it imports nothing of dflashkit"
     decoding = {m for m in graph if m.startswith("dflashkit.decode")}
     assert all("dflashkit.serve" not in graph[m] for m in decoding), "decoding must not depend on the server"
+
+
+def test_model_pieces_and_configuration_sit_below_decoding():
+    graph = import_graph()
+    for low in ("dflashkit.drafter", "dflashkit.config", "dflashkit.method", "dflashkit.kernels.heads",
+                "dflashkit.kernels.packed"):
+        above = sorted(m for m in graph[low] if m == "dflashkit.decode" or m.startswith("dflashkit.decode."))
+        assert not above, f"{low} imports {above}: the decoding package sits above it"
+    assert not graph["dflashkit.method"], "method.py is a leaf: it imports nothing of dflashkit"
+    decoding = {m for m in graph if m.startswith("dflashkit.decode")}
+    data = sorted((m, d) for m in decoding for d in graph[m] if d.startswith("dflashkit.data"))
+    assert not data, f"decoding imports the data pipeline: {data}"
+
+
+def test_layering_rules_see_an_import_inside_a_function(tmp_path, monkeypatch):
+    """The graph counts an import inside a function as the module's own (the rule above would
+    otherwise miss the lazy kind)."""
+    pkg = tmp_path / "dflashkit"
+    (pkg / "decode").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "decode" / "__init__.py").write_text("")
+    (pkg / "decode" / "cache.py").write_text("")
+    (pkg / "drafter.py").write_text("def f():\n    from dflashkit.decode.cache import KVCache\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    assert import_graph()["dflashkit.drafter"] == {"dflashkit.decode.cache"}

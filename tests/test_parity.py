@@ -11,6 +11,7 @@ import torch
 
 from conftest import make_tiny_drafter
 from dflashkit import masks
+from dflashkit.decode.cache import drafter_cache
 from dflashkit.drafter import DFlashDrafter, draft_block, drafter_config_for_target, training_hidden
 from dflashkit.vocab import default_mask_token_id
 
@@ -25,7 +26,7 @@ def _paths(drafter, target, ids, anchor, other_anchors=(3, 29), cache_steps=(0,)
     h_train = training_hidden(drafter, target.embed, ids, feats, anchors)
     j = 1 if other_anchors else 0
     h_train = h_train[:, j * B:(j + 1) * B]
-    cache = drafter.new_cache()
+    cache = drafter_cache(drafter)
     # Fill the cache in chunks (as decoding rounds do), drafting a throw-away block each time.
     cuts = [*cache_steps, anchor]
     for lo, hi in zip(cuts[:-1], cuts[1:]):
@@ -55,7 +56,7 @@ def test_shifted_block_positions_break_parity(tiny_target, monkeypatch):
         return real_forward(self, block_emb, ctx, block_pos + 1, *a, **k)
 
     monkeypatch.setattr(DFlashDrafter, "forward", late)
-    cache = drafter.new_cache()
+    cache = drafter_cache(drafter)
     h_late = draft_block(drafter, tiny_target.embed, cache, tiny_target.forward(ids, drafter.config.target_layer_ids).features[:, :17], ids[:, 17])
     assert torch.allclose(h_ok, h_train, atol=2e-5)
     assert (h_late - h_train).abs().max() > 1e-3
@@ -74,7 +75,7 @@ def test_inference_block_starts_at_bonus_position(tiny_target, monkeypatch):
     monkeypatch.setattr(DFlashDrafter, "forward", spy)
     ids = torch.randint(3, 120, (1, 12))
     feats = tiny_target.forward(ids, drafter.config.target_layer_ids).features
-    draft_block(drafter, tiny_target.embed, drafter.new_cache(), feats[:, :9], ids[:, 9])
+    draft_block(drafter, tiny_target.embed, drafter_cache(drafter), feats[:, :9], ids[:, 9])
     assert seen["ctx"].tolist() == [list(range(9))]
     assert seen["block"].tolist() == [list(range(9, 9 + drafter.config.block_size))]
     assert masks.block_positions(torch.tensor([[4, 20]]), 3).tolist() == [[4, 5, 6, 20, 21, 22]]

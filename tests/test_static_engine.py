@@ -7,10 +7,10 @@ import torch
 
 from conftest import make_tiny_drafter, make_tiny_target, read_late
 from dflashkit.decode.loop import generate
-from dflashkit.decode.packed import PackedLinear
 from dflashkit.decode.static import attend, folded_mask, static_engine
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import additive, attend_few, attend_heads
+from dflashkit.kernels.packed import PackedLinear
 
 
 def test_fused_weights_are_views_not_copies():

@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("dflashkit.evaluate", "acceptance length and speed-up of drafters: online (DFlash + DDTree budgets, vs autoregressive) or offline from cached features"),
     "doctor": ("dflashkit.doctor", "check a drafter against a target (and training data against evaluation) before training or serving"),
     "export": ("dflashkit.export", "write a drafter for serving engines: reference format (+ dflash.py) or vLLM speculators"),
-    "generate": ("dflashkit.decode.command", "one prompt in, text and decoding statistics out (speculative DFlash / DDTree or autoregressive)"),
+    "generate": ("dflashkit.generate", "one prompt in, text and decoding statistics out (speculative DFlash / DDTree or autoregressive)"),
     "serve": ("dflashkit.serve", "OpenAI-compatible HTTP server over the target (completions, chat, streaming); speculative with --drafter, batched with --max-batch"),
 }
 

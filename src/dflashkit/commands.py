@@ -75,6 +75,7 @@ def draft_arguments(p: argparse.ArgumentParser) -> None:
 def run_draft(args: argparse.Namespace) -> int:
     """Prefill the prompt, draft one block, and compare with the target's own greedy tokens."""
     from dflashkit.checkpoint import load_drafter
+    from dflashkit.decode.cache import drafter_cache
     from dflashkit.drafter import draft_block, new_drafter
     from dflashkit.target import load_target
 
@@ -96,7 +97,7 @@ def run_draft(args: argparse.Namespace) -> int:
         out = target.forward(ids, dc.target_layer_ids)
         bonus = out.logits[:, -1].argmax(-1)
         # Features of the prompt go to the drafter; the bonus token is the block's anchor.
-        hidden = draft_block(drafter, target.embed, drafter.new_cache(), out.features, bonus)
+        hidden = draft_block(drafter, target.embed, drafter_cache(drafter), out.features, bonus)
         draft = target.lm_head(hidden)[:, 1:].argmax(-1)
         greedy = target.model.generate(ids, max_new_tokens=dc.block_size, do_sample=False)[:, ids.shape[1]:]
     accepted = int((draft[0] == greedy[0, 1:dc.block_size]).long().cumprod(0).sum())

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
 
-from dflashkit.decode.tree import TOP_K
+from dflashkit.method import TOP_K
 
 
 def _not_bool(value: Any) -> Any:

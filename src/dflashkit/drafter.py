@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from dflashkit import few_attention
 from dflashkit import masks as masks_mod
-from dflashkit.decode import heads
-from dflashkit.decode.packed import fused_linear
+from dflashkit.kernels import heads
+from dflashkit.kernels.packed import fused_linear
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -282,7 +282,7 @@ class Attention(nn.Module):
     def store(self, kv: Any, layer: int, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor) -> None:
         """Decoding: the keys and values of x [b, t, hidden] at slots [b, t] into layer `layer` of
         the cache `kv` (`decode.cache.KVCache`). With [k; v] fused, on CUDA, the key norm, RoPE and
-        both stores are one kernel after the GEMM (`decode.heads`), where Inductor's norm-and-RoPE
+        both stores are one kernel after the GEMM (`kernels.heads`), where Inductor's norm-and-RoPE
         kernel and two scatters ran: the scatters alone took 41 us of a 32-row draft (4 layers) on an H100."""
         if self.kv_weight is not None and heads.available(x, self.d, cos.shape[-1], False, True):
             kv.store_heads(layer, fused_linear(x, self.kv_weight, self.k_proj), self.k_norm.weight, self.k_norm.eps,
@@ -355,12 +355,6 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
-
-    def new_cache(self) -> Any:
-        """An empty context cache for `draft_block` (a `decode.cache.KVCache`)."""
-        from dflashkit.decode.cache import KVCache
-
-        return KVCache(self.config.num_hidden_layers)
 
     def forward(
         self,
@@ -485,7 +479,7 @@ def draft_block(drafter: DFlashDrafter, embed, cache: Any, new_features: Tensor,
                 counts: list[int] | None = None) -> Tensor:
     """Inference path: row i appends the features of its newly verified tokens (the first
     counts[i] rows of new_features [b, c, n_taps * H]; all c by default) to the context cache
-    (`drafter.new_cache()`), then drafts one block `[bonus, MASK...]` at start_i, the bonus
+    (`decode.cache.drafter_cache`), then drafts one block `[bonus, MASK...]` at start_i, the bonus
     token's position (= the row's context length afterwards). Returns hidden states [b, B, H];
     slot k predicts the token at position start + k (slot 0 is the bonus itself)."""
     b, c = new_features.shape[:2]

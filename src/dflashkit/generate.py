@@ -8,17 +8,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.decode.loop import make_engine
-from dflashkit.decode.generation import METHODS, Sampling
-from dflashkit.decode.loop import generate
-from dflashkit.decode.tree import TOP_K, candidates
+from dflashkit.data.chat import prompt_ids
+from dflashkit.decode.generation import Sampling
+from dflashkit.decode.loop import generate, make_engine
+from dflashkit.decode.tree import candidates
+from dflashkit.method import METHODS, TOP_K, Method
 
 
 def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
     """[1, T] prompt ids: through the chat template (as `regenerate` prompts the target) when the
     tokenizer has one, else the raw text."""
-    from dflashkit.data.chat import prompt_ids
-
     if chat and getattr(tokenizer, "chat_template", None):
         return torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": prompt}])])
     return tokenizer(prompt, return_tensors="pt").input_ids
@@ -51,26 +50,27 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.target import load_target
     from dflashkit.vocab import stop_token_ids
 
-    method = args.method or ("dflash" if args.drafter else "ar")
-    if method != "ar" and not args.drafter:
-        raise ValueError(f"--method {method} needs --drafter DIR (a reference-format drafter directory)")
-    if method == "ar" and args.draft_tokens is not None:
+    method = Method.of(args.method or ("dflash" if args.drafter else "ar"), args.budget, args.top_k)
+    if method.drafts and not args.drafter:
+        raise ValueError(f"--method {method.kind} needs --drafter DIR (a reference-format drafter directory)")
+    if not method.drafts and args.draft_tokens is not None:
         raise ValueError("--draft-tokens needs a speculative --method (dflash or ddtree) and --drafter DIR")
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     cfg = config_from_args(args)
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
                          device=resolve_device(cfg.target.device))
     drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype) if args.drafter else None
-    engine = make_engine(target, drafter if method != "ar" else None, args.engine, args.draft_tokens)
+    engine = make_engine(target, drafter if method.drafts else None, args.engine, args.draft_tokens)
     ids = chat_ids(target.tokenizer, args.prompt, chat=not args.raw)
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
-    res = generate(engine, ids, max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
-                   top_k=args.top_k, sampling=sampling, stop_ids=stops, cost_aware=args.cost_aware)
+    res = generate(engine, ids, max_new_tokens=args.max_new_tokens, method=method, sampling=sampling, stop_ids=stops,
+                   cost_aware=args.cost_aware)
     print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
     s = res.stats()
     tps = len(res.tokens) / max(res.prefill_seconds + res.decode_seconds, 1e-9)
-    k = candidates(args.budget, args.top_k, target.vocab_size)
-    label = method if method != "ddtree" else f"ddtree (budget {args.budget}, top-{k})"
+    label = method.kind
+    if method.tree_budget is not None:
+        label += f" (budget {method.budget}, top-{candidates(method.budget, method.top_k, target.vocab_size)})"
     if args.draft_tokens is not None:
         label += f", {args.draft_tokens} draft tokens a round"
     print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "

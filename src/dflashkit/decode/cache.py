@@ -21,12 +21,13 @@ graph captured for b rows serves every later batch of b rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from dflashkit.decode import delta, heads
+from dflashkit.decode import delta
+from dflashkit.kernels import heads
 
 
 class KVCache:
@@ -250,6 +251,12 @@ class KVCache:
         idx = torch.tensor(list(rows), device=self.k.device)
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):  # rows on dim 1; only committed slots move
             mine[:, idx, :, :n] = theirs[:, :m, :, :n]
+
+
+def drafter_cache(drafter: Any) -> KVCache:
+    """An empty context cache for a drafter (`drafter.draft_block`): keys and values of each of
+    its layers, no linear-attention state."""
+    return KVCache(drafter.config.num_hidden_layers)
 
 
 class LayerKV(NamedTuple):

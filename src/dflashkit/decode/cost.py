@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -157,6 +158,30 @@ class Drafting:
                 self.drafting = True
             else:
                 self.since, self.interval = 0, min(2 * self.interval, self.max_interval)
+
+
+class Sizing(NamedTuple):
+    """Cost-aware decoding's state for one engine, method and batch size: what verification costs
+    (`CostCurve`) and whether drafting pays (`Drafting`)."""
+
+    curve: CostCurve
+    drafting: Drafting
+
+    def reads_scores(self) -> bool:
+        """Whether a round reads its draft's scores to choose the width it verifies: only where a
+        narrower width is a candidate (else rounds run as without cost-awareness, unread)."""
+        return len(self.curve.candidates()) > 1
+
+
+def sizing(engine: Any, key: tuple, widest: int) -> tuple[Sizing, bool]:
+    """The engine's `Sizing` under `key` (`Engine.cost_state`), and whether it was measured now:
+    measured once, what the rounds learn carries over to the engine's next streams (a short
+    answer must not pay for learning it again). widest: the widest verification of a round."""
+    if key in engine.cost_state:
+        return engine.cost_state[key], False
+    widths = sorted({w for w in (1, 2, 4, 8, 16, 32, 64, widest) if w <= widest})
+    engine.cost_state[key] = Sizing(measure(engine, widths), Drafting())
+    return engine.cost_state[key], True
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dflashkit.decode.cache import KVCache, LinearState, is_chain, to_device
-from dflashkit.decode.packed import lm_head
-from dflashkit.decode.tree import TOP_K, Trees, Walk, causal, draft_trees, visibility
+from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
+from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step, write_context
+from dflashkit.kernels.packed import lm_head
+from dflashkit.method import TOP_K
 from dflashkit.target import Target
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds the mask to [chunk, length]
@@ -247,7 +248,7 @@ class Engine:
         # CUDA graphs, every new batch size would capture new graphs.
         self.fixed_rows = False
         self.cache = new_cache(target)
-        self.dcache = drafter.new_cache() if drafter is not None else None
+        self.dcache = drafter_cache(drafter) if drafter is not None else None
         self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
         self.caught_up = False  # the last draft took a long context (see `draft`)
         self.cost_state: dict = {}  # cost-aware decoding's curve and draft-or-not estimates (`decode_stream`)

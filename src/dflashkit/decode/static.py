@@ -11,7 +11,7 @@ costs what the sequences hold, not the cache's capacity, with few distinct graph
 The mask is `tree.visibility`, the drafter is the `drafter.py` module (its step captured too):
 only the target's layers are run differently from `engine.HFRunner`, and tests check both equal
 the target's own generation. Optional torch.compile fuses each layer's elementwise work, on
-CUDA the query/key/value heads come from one Triton kernel (`decode/heads.py`), and q/k/v and
+CUDA the query/key/value heads come from one Triton kernel (`kernels/heads.py`), and q/k/v and
 gate/up weights can be fused row-wise. Supported targets: Llama / Qwen2 / Qwen3-style
 decoders (full attention, or sliding windows named per layer), Gemma 3 (its norms of (1 + w), the
 norms after attention and MLP, GELU, one RoPE per layer type, query scaling by
@@ -33,12 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit import few_attention
-from dflashkit.decode import delta, heads
+from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, attention_backends, small
-from dflashkit.decode.packed import drafter_copy, linear, lm_head, pack_weight, packable, packs
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
+from dflashkit.kernels import heads
+from dflashkit.kernels.packed import drafter_copy, linear, lm_head, pack_weight, packable, packs
 from dflashkit.target import Target
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")

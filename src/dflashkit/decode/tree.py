@@ -38,12 +38,6 @@ def chains(tokens: Tensor, scores: Tensor | None = None) -> Trees:
     return Trees(tokens, k, k + 1, tokens.new_zeros(b, m, dtype=torch.float) if scores is None else scores)
 
 
-# DDTree's candidates per slot, the default of decoding, `generate`, `eval` and `serve`. None: as
-# many as the tree's node budget, so that `best_first` picks the budget's best prefixes among all
-# of them (fewer leave out likely siblings where the drafter is unsure: with SmolLM2's bundled
-# drafter, DDTree-64's τ on every evaluation suite rose by 0.21-0.39 from 4 candidates to 64,
-# chat's the most; docs/benchmarks.md).
-TOP_K: int | None = None
 TIE = 1e-9  # per depth: of two prefixes with equal scores the shallower comes first
 
 
@@ -130,7 +124,7 @@ def verification(bonus: Tensor, trees: Trees, chain: bool = False) -> tuple[Tens
 
 
 def candidates(budget: int, top_k: int | None, vocab: int) -> int:
-    """DDTree's candidates per slot for a tree of `budget` nodes (`TOP_K`), within the vocabulary."""
+    """DDTree's candidates per slot for a tree of `budget` nodes (`method.TOP_K`), within the vocabulary."""
     return min(budget if top_k is None else top_k, vocab)
 
 

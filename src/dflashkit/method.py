@@ -1,0 +1,74 @@
+"""What a decoding method is: the leaf that the CLI, the configuration and the decoding package share.
+
+A `Method` is made once where a request's settings come in (`Method.of`: the CLI's `--method`,
+the API's `method=`, a configuration's fields) and carries what every round asks of it: whether
+it drafts, whether its trees are chains, and the node budget and candidates of a DDTree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Kind = Literal["ar", "dflash", "ddtree"]
+METHODS: tuple[str, ...] = get_args(Kind)
+
+# DDTree's candidates per slot, the default of decoding, `generate`, `eval` and `serve`. None: as
+# many as the tree's node budget, so that `best_first` picks the budget's best prefixes among all
+# of them (fewer leave out likely siblings where the drafter is unsure: with SmolLM2's bundled
+# drafter, DDTree-64's τ on every evaluation suite rose by 0.21-0.39 from 4 candidates to 64,
+# chat's the most; docs/benchmarks.md).
+TOP_K: int | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    """'ar': no draft (a round verifies the bonus token alone); 'dflash': one chain of the draft
+    block's argmax tokens; 'ddtree': a best-first tree of `budget` nodes from the top-`top_k`
+    tokens of each slot (None: `budget` of them)."""
+
+    kind: Kind = "dflash"
+    budget: int | None = None
+    top_k: int | None = TOP_K
+
+    def __post_init__(self) -> None:
+        if self.kind not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {self.kind!r}")
+        if self.kind == "ddtree" and (self.budget is None or self.budget < 1):
+            raise ValueError(f"ddtree needs a node budget >= 1, got {self.budget}")
+        top_k = self.top_k
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k (DDTree's candidates per slot): expected None (the node budget) or an int >= 1, "
+                             f"got {top_k!r}")
+
+    @classmethod
+    def of(cls, method: str | Method, budget: int | None = None, top_k: int | None = TOP_K) -> Method:
+        """The method a caller names: a `Method` as it is, or its kind with DDTree's budget and
+        candidates (ignored by the other kinds)."""
+        if isinstance(method, Method):
+            return method
+        return cls(method, budget, top_k) if method == "ddtree" else cls(method)  # type: ignore[arg-type]
+
+    @property
+    def drafts(self) -> bool:
+        """A round drafts (needs a drafter)."""
+        return self.kind != "ar"
+
+    @property
+    def chain(self) -> bool:
+        """Every row's tree is a chain (DFlash; AR's tree of no node too)."""
+        return self.kind != "ddtree"
+
+    @property
+    def tree_budget(self) -> int | None:
+        """What the draft step builds: None, DFlash's chain; else DDTree's node budget."""
+        return self.budget if self.kind == "ddtree" else None
+
+    @property
+    def label(self) -> str | None:
+        """The name that statistics carry: None for AR, 'dflash', 'ddtree-<budget>'."""
+        return None if self.kind == "ar" else f"ddtree-{self.budget}" if self.kind == "ddtree" else "dflash"
+
+    def widest(self, block: int) -> int:
+        """Nodes a round verifies per row at most (the bonus included), for an engine's `block`."""
+        return 1 if self.kind == "ar" else block if self.kind == "dflash" else self.budget + 1
