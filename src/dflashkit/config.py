@@ -40,6 +40,10 @@ class TargetConfig(_Section):
     gguf_file: str | None = Field(None, description="GGUF file name inside `path`")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1'...")
+    parallel: Literal["replicate", "shard"] = Field(
+        "replicate", description="under torchrun (train, extract): 'replicate' = the whole target in every "
+        "process; 'shard' = its decoder layers' weights split over the processes (FSDP2; each layer gathered "
+        "for the forward, every process on its own batch), for a target larger than one GPU (docs/training.md)")
 
 
 class DrafterSettings(_Section):

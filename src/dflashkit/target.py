@@ -69,6 +69,13 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
+    @property
+    def sharded(self) -> bool:
+        """Its decoder layers are FSDP2 units over a job's ranks (`parallel.shard_target`)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(layer, FSDPModule) for layer in self.layers)
+
     # ---- frozen pieces shared with the drafter ------------------------------------------
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.get_input_embeddings()(ids)
@@ -115,7 +122,8 @@ class Target:
         self.check_layer_ids(layer_ids)
         captured: dict[int, Tensor] = {}
         last = self.num_layers - 1
-        stop_at = max(layer_ids) if not (hidden or logits or cache is not None) else None
+        # A sharded target runs every layer: each layer's forward is a collective on every rank.
+        stop_at = max(layer_ids) if not (hidden or logits or cache is not None or self.sharded) else None
 
         def hook(idx: int):
             def fn(_mod, _args, out):

@@ -861,10 +861,9 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
     out_dir = Path(tc.output_dir)
     torch.manual_seed(tc.seed)
-    if target is None:
-        from dflashkit.target import load_target
+    from dflashkit.parallel import training_target
 
-        target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+    target = training_target(cfg, target, device)
     dtype, backend, compile_ = resolve_precision(tc, device)
     if samples is None:
         samples, feature_layer_ids = load_training_data(cfg.data, target, dtype)

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from dflashkit.checkpoint import atomic_save, atomic_write_json, remove_stale_temp_files
 from dflashkit.data.chat import TokenizedSample
+from dflashkit.parallel import lockstep
 from dflashkit.progress import Bar, progress
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,9 @@ def extract_features(target: Any, samples: Sequence[TokenizedSample], layer_ids:
     total = sum(len(samples[i].input_ids) for k in mine for i in range(*shards[k]))
     bar = progress(total=total, desc=f"extract (rank {rank}/{world})", unit="tok", unit_scale=True)
     t0 = time.perf_counter()
-    for k in mine:
-        _write_shard(target, samples, shards[k], k, list(layer_ids), out, dtype, batch_size, bar)
+    with lockstep(target):  # a sharded target's forwards pair up across ranks with unequal shares
+        for k in mine:
+            _write_shard(target, samples, shards[k], k, list(layer_ids), out, dtype, batch_size, bar)
     bar.close()
     dt = time.perf_counter() - t0
     log.info("rank %d: %d shards, %d tokens in %.1fs (%.0f tokens/s)", rank, len(mine), total, dt, total / dt if dt else 0)
@@ -354,8 +356,8 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
     from dflashkit.data.chat import load_tokenized
     from dflashkit.drafter import default_target_layer_ids
+    from dflashkit.parallel import load_configured_target
     from dflashkit.rundir import output_directory
-    from dflashkit.target import load_target
 
     cfg = config_from_args(args)
     src, out = args.input or cfg.data.tokenized, args.out or cfg.data.features
@@ -371,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     # Each rank of a job holds a lock of its own (they share the directory); a second job meets
     # rank 0's at once, before its target loads.
     with output_directory(out, "extract", lock=".lock" if rank == 0 else f".lock.rank{rank}"):
-        target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
+        target = load_configured_target(cfg.target, torch.device(device))
         layer_ids = cfg.drafter.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.drafter.num_taps)
         t0 = time.perf_counter()
         manifest = extract_features(target, samples, layer_ids, out, dtype=cfg.data.feature_dtype,

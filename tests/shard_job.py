@@ -1,0 +1,108 @@
+"""What each spawned gloo rank of test_shard.py runs: the target sharded over the ranks
+(`target.parallel=shard`) against the whole target, for features, extraction and training.
+Each rank writes `rank<R>.json` (its measurements) into the work directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import make_tiny_hybrid, make_tiny_target  # noqa: E402
+from train_job import BASE, tiny_samples  # noqa: E402
+
+TARGETS: dict[str, Callable[[], Any]] = {"dense": make_tiny_target, "hybrid": make_tiny_hybrid}
+LAYERS = [1, 3, 5]
+TRAIN = [*BASE, "train.max_steps=20", "train.eval_every=10", "train.save_every=10", "train.eval_samples=4"]
+EXTRACT_SHARD_TOKENS = 120  # 7 shards: unequal shares over 2 and over 4 ranks
+
+
+def _own_batch(rank: int, vocab: int) -> torch.Tensor:
+    """Each rank its own batch (length too), as each trains on its own micro-batch."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(3, vocab, (2, 17 + 5 * rank), generator=g)
+
+
+def _max_error(sharded: Any, whole: Any, rank: int) -> float:
+    ids = _own_batch(rank, whole.vocab_size)
+    a = sharded.forward(ids, LAYERS, logits=False, hidden=False).features
+    b = whole.forward(ids, LAYERS, logits=False, hidden=False).features
+    return float((a - b).abs().max())
+
+
+def _held_share(target: Any) -> float:
+    """Share of the decoder layers' weights this rank holds."""
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in target.layers.parameters())
+    return local / sum(p.numel() for p in target.layers.parameters())
+
+
+def features(rank: int, dirs: dict[str, str]) -> dict[str, Any]:
+    """Sharded in place (targets handed in) and loaded sharded (rank 0 scatters), against the whole target."""
+    from dflashkit.parallel import load_sharded_target, shard_target
+    from dflashkit.target import load_target
+
+    out: dict[str, Any] = {}
+    for name, make in TARGETS.items():
+        sharded = shard_target(make(), torch.device("cpu"))
+        out[f"handed/{name}"] = {"error": _max_error(sharded, make(), rank), "share": _held_share(sharded)}
+    for name, path in dirs.items():
+        sharded = load_sharded_target(path, gguf_file=None, dtype="auto", device=torch.device("cpu"))
+        whole = load_target(path)
+        tied = sharded.model.get_output_embeddings().weight is sharded.model.get_input_embeddings().weight
+        out[f"loaded/{name}"] = {"error": _max_error(sharded, whole, rank), "share": _held_share(sharded),
+                                 "tied": tied, "head_equal": bool(torch.equal(sharded.model.get_output_embeddings().weight,
+                                                                              whole.model.get_output_embeddings().weight))}
+    return out
+
+
+def extract_samples() -> list[Any]:
+    return tiny_samples(24, seed=1)
+
+
+def extract(path: str, out: str) -> None:
+    from dflashkit.data.features import extract_features
+    from dflashkit.parallel import load_sharded_target
+
+    target = load_sharded_target(path, gguf_file=None, dtype="auto", device=torch.device("cpu"))
+    extract_features(target, extract_samples(), LAYERS, out, dtype="float32",
+                     batch_size=3, shard_size=EXTRACT_SHARD_TOKENS)
+
+
+def train(work: Path, name: str, parallel: str, resume: str | None = None, tag: str = "") -> None:
+    from dflashkit.config import load_config
+    from dflashkit.train import train as run_train
+
+    out = work / f"train-{name}-{parallel}{tag}"
+    cfg = load_config(None, [*TRAIN, f"train.output_dir={out}", f"target.parallel={parallel}"])
+    run_train(cfg, target=TARGETS[name](), samples=tiny_samples(), resume=resume)
+
+
+def run_rank(rank: int, world: int, port: int, work: str, dirs: dict[str, str], trained: list[str],
+             local_world: int) -> None:
+    """Rank `rank` of `world`: features, extraction (of dirs['dense']) and training of `trained`
+    targets (sharded within groups of `local_world` ranks, as on nodes of that many GPUs)."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    root = Path(work)
+    try:
+        result = features(rank, dirs)
+        extract(dirs["dense"], str(root / "extract"))
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+        for name in trained:
+            train(root, name, "replicate")
+            train(root, name, "shard")
+        if "dense" in trained:  # resumed at step 10 of the sharded run: steps 11..20 again
+            train(root, "dense", "shard", str(root / "train-dense-shard" / "checkpoints" / "step-00000010"), "-resumed")
+        (root / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
