@@ -32,24 +32,40 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def target_tokens(logits: Tensor, sampling: Sampling, u: Tensor | None) -> Tensor:
-    """logits [n, V] -> [n]: the argmax, or one sample per row from the target's own
-    (temperature, top-p) distribution. Autoregressive decoding uses the same function, so
-    speculative and plain decoding sample from the same distribution. u [n] (float64 in [0, 1),
-    when sampling): each row's uniform draw, from its sequence's own stream (`new_generator`). A
-    sample is the first token whose cumulative probability exceeds the draw: one batched search,
-    not a loop over rows."""
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
+def distribution(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor = 1.0) -> Tensor:
+    """logits [..., V] -> the sampling distribution [..., V] (fp32): softmax at `temperature`,
+    then, where top_p < 1, only the smallest prefix of the sorted tokens whose mass reaches
+    top_p, renormalised. temperature and top_p: one value, or one per row broadcast against
+    logits[..., :1]. The one definition of the target's and the drafter's distributions, so that
+    speculative sampling and autoregressive sampling agree token for token."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if isinstance(top_p, Tensor) or top_p < 1:
         p, idx = probs.sort(-1, descending=True)
-        drop = p.cumsum(-1) - p >= sampling.top_p  # keep the smallest prefix whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter(-1, idx, p.masked_fill(drop, 0.0))
+        drop = p.cumsum(-1) - p >= top_p  # keep the smallest prefix whose mass reaches top_p
+        kept = p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, kept / kept.sum(-1, keepdim=True))
+    return probs
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """probs [n, V] (non-negative, not necessarily normalised), u [n] (float64 in [0, 1)) -> one
+    token per row: the first token whose cumulative probability exceeds u times the row's mass.
+    One batched search, not a loop over rows."""
     cdf = probs.double().cumsum(-1)
     # right=True: a token of probability 0 (cut by top-p) is never the first to exceed the draw
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+def target_tokens(logits: Tensor, sampling: Sampling, u: Tensor | None) -> Tensor:
+    """logits [n, V] -> [n]: the argmax, or one sample per row from the target's own
+    (temperature, top-p) `distribution`. Autoregressive decoding uses the same function, so
+    speculative and plain decoding sample from the same distribution. u [n] (float64 in [0, 1),
+    when sampling): each row's uniform draw, from its sequence's own stream (`new_generator`)."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    assert u is not None
+    return draw(distribution(logits, sampling.temperature, sampling.top_p), u)
 
 
 def new_generator(sampling: Sampling) -> random.Random | None:

@@ -1,0 +1,173 @@
+"""The rejection acceptance rule (decode/accept.py) is lossless: statistically exact on a
+synthetic target and drafter, and the tests fail for deliberately wrong rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datahelpers import one_thread  # noqa: F401
+from test_decode import _chi2_pvalue
+
+from dflashkit.decode import accept
+from dflashkit.decode.accept import Settings, expected_acceptance, rejection_walk, sampled_draft, uniforms
+from dflashkit.decode.generation import Sampling, distribution, draw
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, S, N, STEPS = 5, 3, 100_000, 3  # vocabulary, draft slots, continuations, tokens per continuation
+CONTEXT = (0, 1)  # the last two tokens before the answer
+
+
+class Markov:
+    """A synthetic second-order target: the logits of the next token are A[last] + C[one before];
+    and a drafter that sees only the round's context (last, one before), one table per slot, as a
+    DFlash block drafted in one pass does."""
+
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.A, self.C = 1.5 * torch.randn(V, V, generator=g), 1.5 * torch.randn(V, V, generator=g)
+        noise = 0.8 * torch.randn(2, S, V, V, generator=g)
+        # the drafter's first slot is near the target's; later slots guess the rest less well
+        self.D = torch.stack([self.A if s == 0 else 1.5 * torch.randn(V, V, generator=g) for s in range(S)]) + noise[0]
+        self.E = torch.stack([self.C if s == 0 else torch.zeros(V, V) for s in range(S)]) + noise[1]
+
+    def target(self, last: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        return self.A[last] + self.C[before]
+
+    def drafter(self, last: torch.Tensor, before: torch.Tensor) -> torch.Tensor:  # [n, S, V]
+        return self.D[:, last].transpose(0, 1) + self.E[:, before].transpose(0, 1)
+
+    def exact(self, sampling: Sampling) -> torch.Tensor:
+        """P(x1, x2, x3) [V**3] under the target's own (temperature, top-p) sampling."""
+        seqs = torch.tensor([CONTEXT])
+        probs = torch.ones(1, dtype=torch.float64)
+        for _ in range(STEPS):
+            p = distribution(self.target(seqs[:, -1], seqs[:, -2]), sampling.temperature, sampling.top_p).double()
+            probs = (probs[:, None] * p).reshape(-1)
+            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(seqs.shape[0])[:, None]], 1)
+        return probs
+
+
+def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """N continuations of STEPS tokens by rounds of the rejection rule (the context's last token
+    is the first round's bonus) -> (the tokens [N, STEPS], the mean accepted draft tokens of the
+    first round)."""
+    g = torch.Generator().manual_seed(seed)
+    before, last = torch.full((N,), CONTEXT[0]), torch.full((N,), CONTEXT[1])
+    out, count = torch.full((N, STEPS), -1), torch.zeros(N, dtype=torch.long)
+    settings = Settings.of([sampling] * N, torch.device("cpu"))
+    first = None
+    while (count < STEPS).any():
+        seeds = torch.randint(0, 2**62, (N,), generator=g)
+        draft = sampled_draft(model.drafter(last, before), last, budget, None, settings, seeds)
+        nodes = torch.cat([last[:, None], draft.trees.tokens], 1)  # [N, m+1]: the bonus, then the nodes
+        parents = torch.cat([before[:, None], nodes.gather(1, draft.trees.parents)], 1)
+        walked = rejection_walk(draft.trees, draft, model.target(nodes, parents), settings, seeds, budget is None)
+        first = walked.accepted.double().mean().item() if first is None else first
+        for j in range(walked.new.shape[1]):
+            put = (j <= walked.accepted) & (count + j < STEPS)
+            out[put, (count + j)[put]] = walked.new[put, j]
+        seq = torch.cat([before[:, None], last[:, None], walked.new], 1)
+        before, last = seq.gather(1, walked.accepted[:, None] + 1)[:, 0], seq.gather(1, walked.accepted[:, None] + 2)[:, 0]
+        count += walked.accepted + 1
+    return out, first
+
+
+def autoregressive(model: Markov, sampling: Sampling, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.tensor(CONTEXT).repeat(N, 1)
+    for _ in range(STEPS):
+        p = distribution(model.target(seqs[:, -1], seqs[:, -2]), sampling.temperature, sampling.top_p)
+        seqs = torch.cat([seqs, draw(p, torch.rand(N, generator=g, dtype=torch.float64))[:, None]], 1)
+    return seqs[:, 2:]
+
+
+def pvalue(model: Markov, tokens: torch.Tensor, sampling: Sampling) -> float:
+    """Chi-square goodness of fit of the joint of the STEPS tokens against the exact one."""
+    cells = (tokens * torch.tensor([V * V, V, 1])).sum(1)
+    return _chi2_pvalue(torch.bincount(cells, minlength=V**STEPS).double(), model.exact(sampling))
+
+
+SETTINGS = [Sampling(0.7, 0.9), Sampling(1.0, 0.9)]
+METHODS = {"chain": None, "tree": 6}
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["T0.7", "T1.0"])
+def test_autoregressive_sampling_is_exact(sampling):
+    """The reference itself: the target's own sampler passes the same test."""
+    model = Markov()
+    assert pvalue(model, autoregressive(model, sampling), sampling) > 1e-3
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["T0.7", "T1.0"])
+def test_rejection_rule_is_exact(method, sampling):
+    """100,000 3-token continuations from the rejection rule (chains; trees of 6 nodes) follow
+    the target's joint distribution (chi-square at α = 0.001), with drafts often accepted."""
+    model = Markov()
+    tokens, accepted = speculative(model, sampling, METHODS[method])
+    assert (tokens >= 0).all()
+    assert accepted > 0.5, "the test needs drafts to be accepted often"
+    assert pvalue(model, tokens, sampling) > 1e-3
+
+
+def _tempered_ratio(u, p_x, q_x):
+    """A wrong rule: the ratio against the drafter's distribution before temperature (the draft
+    was drawn at temperature T; q_x**T is proportional to the drafter's untempered probability)."""
+    return u * q_x**0.7 < p_x
+
+
+def _residual_from_p(p, q):
+    """A wrong rule: on a rejection, draw from the target's p instead of norm(max(0, p − q))."""
+    return p
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("wrong", ["accepts", "residual"])
+def test_wrong_rules_fail(method, wrong, monkeypatch):
+    """The same test rejects a wrong acceptance ratio and a residual drawn from p (T 0.7, top-p
+    0.9): it can fail."""
+    monkeypatch.setattr(accept, wrong, _tempered_ratio if wrong == "accepts" else _residual_from_p)
+    model, sampling = Markov(), SETTINGS[0]
+    tokens, _ = speculative(model, sampling, METHODS[method])
+    assert pvalue(model, tokens, sampling) < 1e-6
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_uncapped_ratio_is_the_same_rule(method, monkeypatch):
+    """Accepting with p/q uncapped (u < p/q) is the capped rule itself, since u < 1: the same
+    tokens (up to the rounding of a product against a quotient), not a wrong rule to test."""
+    model, sampling = Markov(), SETTINGS[0]
+    capped, _ = speculative(model, sampling, METHODS[method])
+    monkeypatch.setattr(accept, "accepts", lambda u, p_x, q_x: u < p_x / q_x)
+    uncapped, _ = speculative(model, sampling, METHODS[method])
+    assert (capped == uncapped).all(1).double().mean() > 0.9999
+
+
+def test_slot_acceptance_is_one_minus_total_variation():
+    """Per slot, the rule accepts a draw of q with probability Σ min(p, q) = 1 − TV(p, q): the
+    closed form, and the observed rate of `accepts` over 200,000 draws, on random pairs."""
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.5, 2.0, 5.0):
+        p = torch.softmax(scale * torch.randn(16, generator=g, dtype=torch.float64), 0)
+        q = torch.softmax(scale * torch.randn(16, generator=g, dtype=torch.float64), 0)
+        tv = 0.5 * (p - q).abs().sum()
+        assert float(expected_acceptance(p, q)) == pytest.approx(1 - float(tv), abs=1e-12)
+        n = 200_000
+        x = torch.multinomial(q, n, replacement=True, generator=g)
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        rate = accept.accepts(u, p[x], q[x]).double().mean()
+        assert float(rate) == pytest.approx(1 - float(tv), abs=4 * (0.25 / n) ** 0.5)
+
+
+def test_uniforms_are_per_row_and_uniform():
+    """A row's draws depend on its seed alone (batch-invariant), differ between streams and
+    seeds, and are uniform (their deciles hold a tenth each)."""
+    seeds = torch.tensor([7, 2**62 - 1, 0, 7])
+    u = uniforms(seeds, 1, (3, 1000))
+    assert u.shape == (4, 3, 1000) and (u > 0).all() and (u < 1).all()
+    assert torch.equal(u[0], u[3]) and not torch.equal(u[0], u[2])
+    assert torch.equal(uniforms(seeds[1:2], 1, (3, 1000))[0], u[1])
+    assert not torch.equal(uniforms(seeds, 2, (3, 1000)), u)
+    deciles = torch.bincount((uniforms(torch.arange(100), 5, (1000,)) * 10).long().flatten(), minlength=10)
+    assert ((deciles - 10_000).abs() < 500).all()
