@@ -271,6 +271,7 @@ def test_write_report_files(tmp_path):
     assert sorted(f.name for f in files) == ["report.json", "report.md", "slot_acceptance.png", "tau_hist.png"]
     assert "| a | dflash | 2.333 | 3 | 2.000 |" in (tmp_path / "report.md").read_text()
     assert not (tmp_path / ".plots").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in files)  # no temp folder left
 
 
 # ---- suites side by side, partings classified ------------------------------------------------------
@@ -571,3 +572,85 @@ def test_a_load_change_between_methods_does_not_skew_the_speedup(monkeypatch):
     rep, fast = evaluate(lambda n, method: 5.0 if method == "ar" else 1.0)
     assert fast["speedup"] == pytest.approx(2.5 * fast["tau"]) and fast["above_tau"] and not fast["spread_wide"]
     assert f"| {fast['speedup']:.2f}x! (" in markdown(rep)
+
+
+# ---- the command's output directory and its progress off a terminal ----------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_eval_files(tmp_path_factory):
+    """A tiny random target on disk (SmolLM2's tokenizer), a drafter for it and three prompts."""
+    from datahelpers import save_tiny_target
+    from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+    from dflashkit.target import load_target
+    from dflashkit.vocab import default_mask_token_id
+
+    root = tmp_path_factory.mktemp("tiny_eval")
+    target = load_target(str(save_tiny_target(root / "model")))
+    cfg = drafter_config_for_target(target.config, mask_token_id=default_mask_token_id(target.tokenizer, target.vocab_size),
+                                    num_layers=1, num_taps=2, block_size=4)
+    save_drafter(DFlashDrafter(cfg).float(), root / "drafter")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}"}) + "\n"
+                                                for i in range(3)))
+    return root
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def test_eval_into_a_log_file_writes_progress_lines_while_it_runs(tiny_eval_files, tmp_path):
+    """`dflashkit eval ... > log 2>&1`: off a terminal, progress lines at a steady interval, in
+    order, before the report; temp folders that a killed evaluation left in --out are removed."""
+    import re
+    import subprocess
+    import sys
+
+    from datahelpers import CHILD_ENV
+    from dflashkit.progress import INTERVAL_ENV
+
+    root, out = tiny_eval_files, tmp_path / "out"
+    stale = [out / f".plots.{_dead_pid()}.0badcafe.tmp", out / "suites" / f".code.json.{_dead_pid()}.0badcafe.tmp"]
+    stale[0].mkdir(parents=True)
+    (stale[0] / "tau_hist.png").write_bytes(b"left by a killed run")
+    stale[1].parent.mkdir()
+    stale[1].write_text("{")
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "dflashkit.cli", "eval", "--drafter", str(root / "drafter"),
+                             "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "4", "--methods", "dflash",
+                             "--engine", "hf", "--out", str(out), f"target.path={root / 'model'}", "target.device=cpu"],
+                            stdout=f, stderr=subprocess.STDOUT, env={**CHILD_ENV, INTERVAL_ENV: "0.001"},
+                            timeout=300).returncode
+    text = log.read_text()
+    assert rc == 0, text
+    counts = [int(m) for m in re.findall(r"^online eval: (\d+)/3 prompt \(\d+%\), [\d.]+ prompt/s", text, re.M)]
+    assert counts[-1] == 3 and counts == sorted(counts) and min(counts) < 3, text
+    assert re.search(r"^online eval: \d+/3 .*, ETA \d\d:\d\d$", text, re.M), text
+    assert text.index("online eval: 1/3") < text.index("wrote "), text
+    assert not any(p.exists() for p in stale)
+    assert (out / "report.json").is_file() and not list(out.glob(".*.tmp"))
+
+
+def test_a_second_eval_into_the_same_out_is_refused_at_once(tiny_eval_files, tmp_path, monkeypatch, capsys):
+    """Two `eval --resume` into one --out: the second is refused with one line naming the holder,
+    before it loads any model (not after all its work)."""
+    import dflashkit.target as target_mod
+    from dflashkit.rundir import output_directory
+
+    def no_model(*a, **k):
+        raise AssertionError("a refused evaluation must load no model")
+
+    monkeypatch.setattr(target_mod, "load_target", no_model)
+    out = tmp_path / "out"
+    with output_directory(out, "eval"):  # the first evaluation, still running
+        rc = main(["eval", "--drafter", str(tiny_eval_files / "drafter"), "--suites", "code", "--limit", "1",
+                   "--resume", "--out", str(out), f"target.path={tiny_eval_files / 'model'}", "target.device=cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"{out} is in use by `dflashkit eval` (pid " in err and "write elsewhere" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from dflashkit.evaluate.partings import check_partings
 from dflashkit.evaluate.report import markdown, training_tau_sim, write_report
 from dflashkit.evaluate.suites import evaluate_suites
 from dflashkit.evaluate.summary import method_labels
+from dflashkit.rundir import output_directory
 
 log = logging.getLogger("dflashkit.evaluate")
 
@@ -91,12 +93,10 @@ def decoding_settings(args: argparse.Namespace, ec: Any) -> dict[str, Any]:
 
 
 def run_offline(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], settings: dict[str, Any],
-                device: str) -> dict[str, Any]:
+                device: str, cache: Any) -> dict[str, Any]:
     """The offline report: each drafter over the feature cache (or its held-out split)."""
     from dflashkit.checkpoint import load_drafter
-    from dflashkit.data.features import FeatureCache
 
-    cache = FeatureCache(args.features)
     head = load_target_head(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
     problems = cache.target_problems(head)
     if problems:
@@ -114,14 +114,20 @@ def run_offline(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], sett
     return report
 
 
-def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], settings: dict[str, Any],
-               device: str) -> dict[str, Any]:
-    """The online report: the suites side by side (saved as each finishes), or one prompt set;
-    `settings` gains the prompts' and sampling's settings."""
-    from dflashkit.checkpoint import load_drafter
-    from dflashkit.data.prompts import get_suite, load_prompts, load_suite
-    from dflashkit.target import load_target
-    from dflashkit.vocab import stop_token_ids
+@dataclass
+class OnlineInputs:
+    """What online evaluation decodes, read and checked before any model loads."""
+
+    sampling: Sampling
+    max_new_tokens: int
+    limit: int | None
+    source: str | None  # --prompts; None: the suites
+    suites: list[Any]
+    convs: list[Any] | None  # the prompts of `source`
+
+
+def online_inputs(args: argparse.Namespace, cfg: Any) -> OnlineInputs:
+    from dflashkit.data.prompts import get_suite, load_prompts
 
     ec = cfg.eval
     sampling = Sampling(_pick(args.temperature, ec.temperature), _pick(args.top_p, ec.top_p), _pick(args.seed, ec.seed))
@@ -134,24 +140,37 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
     if source is None and not suites:
         raise ValueError("--suites: expected at least one suite name")
     convs = load_prompts(source, limit=limit) if source is not None else None
+    return OnlineInputs(sampling, max_new, limit, source, suites, convs)
+
+
+def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], settings: dict[str, Any],
+               device: str, inputs: OnlineInputs) -> dict[str, Any]:
+    """The online report: the suites side by side (saved as each finishes), or one prompt set;
+    `settings` gains the prompts' and sampling's settings."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.data.prompts import load_suite
+    from dflashkit.target import load_target
+    from dflashkit.vocab import stop_token_ids
+
     target = load_target(cfg.target.path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype, device=device)
     drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
+    sampling = inputs.sampling
     kw = dict(**settings, sampling=sampling, engine=_pick(args.engine, "auto"), cost_aware=args.cost_aware,
               draft_tokens=args.draft_tokens,
               stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
-    if convs is not None:
+    if inputs.convs is not None:
         if args.resume:
             log.warning("--resume reuses finished suites; an evaluation of --prompts runs whole")
-        prompts = eval_prompts(convs, target.tokenizer, thinking=cfg.data.thinking)
-        report = evaluate_online(target, drafters, prompts, max_new_tokens=max_new, **kw)
-        settings.update(prompts=source, max_new_tokens=max_new)
+        prompts = eval_prompts(inputs.convs, target.tokenizer, thinking=cfg.data.thinking)
+        report = evaluate_online(target, drafters, prompts, max_new_tokens=inputs.max_new_tokens, **kw)
+        settings.update(prompts=inputs.source, max_new_tokens=inputs.max_new_tokens)
     else:
         keep = Path(args.out) / "suites"
         log.info("each finished suite is saved in %s; after a stop, the same command with --resume continues", keep)
         report = evaluate_suites(target, drafters, [
-            (s, eval_prompts(load_suite(s.name, limit), target.tokenizer, thinking=cfg.data.thinking)) for s in suites],
-            keep=keep, reuse=args.resume, **kw)
-        settings.update(suites=[s.name for s in suites], limit=limit)
+            (s, eval_prompts(load_suite(s.name, inputs.limit), target.tokenizer, thinking=cfg.data.thinking))
+            for s in inputs.suites], keep=keep, reuse=args.resume, **kw)
+        settings.update(suites=[s.name for s in inputs.suites], limit=inputs.limit)
     settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                     draft_tokens=args.draft_tokens)  # None: each drafter's block_size - 1
     return report
@@ -159,6 +178,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
 
 def run(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args, resolve_device
+    from dflashkit.data.features import FeatureCache
 
     cfg = config_from_args(args)
     offline = args.features is not None
@@ -170,14 +190,18 @@ def run(args: argparse.Namespace) -> int:
     paths = parse_drafters(args.drafter)
     settings = decoding_settings(args, cfg.eval)
     device = resolve_device(cfg.target.device)
-    t0 = time.perf_counter()
-    report = (run_offline if offline else run_online)(args, cfg, paths, settings, device)
-    report.update(training_tau_sim(paths))
-    report.update(date=time.strftime("%Y-%m-%d %H:%M"), versions=versions(),
-                  target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
-                  device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
-                  drafter_paths={n: str(p) for n, p in paths.items()})
-    files = write_report(report, args.out)
+    inputs = FeatureCache(args.features) if offline else online_inputs(args, cfg)
+    # The lock is taken before any model loads: a second evaluation into the same --out (say two
+    # --resume runs) is refused at once, not after all its work.
+    with output_directory(args.out, "eval", temp_dirs=("suites",)):
+        t0 = time.perf_counter()
+        report = (run_offline if offline else run_online)(args, cfg, paths, settings, device, inputs)
+        report.update(training_tau_sim(paths))
+        report.update(date=time.strftime("%Y-%m-%d %H:%M"), versions=versions(),
+                      target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
+                      device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
+                      drafter_paths={n: str(p) for n, p in paths.items()})
+        files = write_report(report, args.out)
     print(markdown(report))
     print("wrote " + ", ".join(str(f) for f in files))
     check_partings(report)  # after the report is written: it holds every parting's margins

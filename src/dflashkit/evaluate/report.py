@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -267,18 +268,22 @@ def suite_plot(report: dict[str, Any], path: Path, plt: Any) -> Path:
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """report.json, report.md, tau_hist.png, slot_acceptance.png, and suites.png for a suite
-    report (each written atomically)."""
-    from dflashkit.checkpoint import atomic_write_bytes, atomic_write_json
+    report (each written atomically: the plots are drawn in a folder of their own, named as
+    `checkpoint.temp_path` names temp files, so that the next run into the directory removes it
+    if this one is killed)."""
+    from dflashkit.checkpoint import atomic_write_bytes, atomic_write_json, temp_path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", report)
     atomic_write_bytes(out / "report.md", markdown(report).encode())
-    tmp = out / ".plots"
-    tmp.mkdir(exist_ok=True)
+    tmp = temp_path(out / "plots")
+    tmp.mkdir()
     files = [out / "report.json", out / "report.md"]
-    for f in plots(report, tmp):
-        f.replace(out / f.name)
-        files.append(out / f.name)
-    tmp.rmdir()
+    try:
+        for f in plots(report, tmp):
+            f.replace(out / f.name)
+            files.append(out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return files
