@@ -16,7 +16,7 @@ import queue
 import pytest
 
 from dflashkit.decode.generation import GenerationChunk
-from dflashkit.serve import Admission, Engine, add_arguments, admission_from_args
+from dflashkit.serve import Admission, BatchWorker, add_arguments, admission_from_args
 
 WAIT = 30  # seconds a hand-off may take before the test fails (a hung worker, not a timing)
 
@@ -80,7 +80,7 @@ def test_waiting_requests_join_in_groups():
     gen, now = Rounds(), [0.0]
 
     async def scenario() -> None:
-        engine = Engine(gen, max_batch=4, admission=Admission(min_free=2, max_wait_s=0.1), clock=lambda: now[0])
+        engine = BatchWorker(gen, max_batch=4, admission=Admission(min_free=2, max_wait_s=0.1), clock=lambda: now[0])
         jobs = [engine.submit([1, 2], max_new_tokens=1)]
         joined = lambda finish: (gen.go.put(finish), gen.joined.get(timeout=WAIT))[1]  # noqa: E731  one round
         assert gen.joined.get(timeout=WAIT) == 1  # the batch starts with the first request
@@ -135,7 +135,7 @@ def test_grouped_joins_over_the_round_loop(graphs, cost_aware, monkeypatch):
     params = lambda n: dict(max_new_tokens=n, temperature=0.0, top_p=1.0, seed=None, stop_ids=set())  # noqa: E731
 
     async def serve() -> list[list[int]]:
-        engine = Engine(DecodingGenerator(decoder or Decoder(target, drafter), rows=3, cost_aware=cost_aware), max_batch=3,
+        engine = BatchWorker(DecodingGenerator(decoder or Decoder(target, drafter), rows=3, cost_aware=cost_aware), max_batch=3,
                         admission=Admission(min_free=2, max_wait_s=math.inf))
         jobs = [engine.submit(prompts[0], **params(limits[0]))]
         first = await asyncio.wait_for(jobs[0].out.get(), WAIT)  # the long request decodes

@@ -24,7 +24,7 @@ import pytest
 
 from datahelpers import CHILD_ENV, save_tiny_target, start_cli
 from dflashkit.decode.generation import GenerationChunk
-from dflashkit.serve import Admission, Engine, EngineProcess, Served, build_app
+from dflashkit.serve import Admission, BatchWorker, EngineProcess, Served, build_app
 from dflashkit.vocab import stop_token_ids
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -118,7 +118,7 @@ def load_endless():
 def endless(in_process: bool, max_queue: int = 0, on_failure=lambda: None):
     """`Endless` behind the engine `dflashkit serve` uses (its own process) or one on a thread here."""
     if in_process:
-        return Engine(Endless(), max_queue=max_queue)
+        return BatchWorker(Endless(), max_queue=max_queue)
     return EngineProcess(load_endless, 1, max_queue, Admission(), on_failure)
 
 
@@ -171,7 +171,7 @@ def test_an_engine_process_that_dies_fails_its_requests_and_stops_the_server(tok
 
 
 def test_api_key_body_cap_and_strict_fields(tokenizer):
-    app = build_app(served(tokenizer), Engine(Endless()), api_key="s3cret", max_body_bytes=2000)
+    app = build_app(served(tokenizer), BatchWorker(Endless()), api_key="s3cret", max_body_bytes=2000)
     good = {"Authorization": "Bearer s3cret"}
     with serving(app) as url:
         assert httpx.get(f"{url}/health").status_code == 200  # open, for load balancers
@@ -195,7 +195,7 @@ def test_api_key_body_cap_and_strict_fields(tokenizer):
 
 def test_tokenisation_does_not_block_the_event_loop(tokenizer):
     gated = GatedTokenizer(tokenizer)
-    with serving(build_app(served(gated), Engine(Endless()))) as url:
+    with serving(build_app(served(gated), BatchWorker(Endless()))) as url:
         s = raw_request(url, "/v1/completions", {"prompt": "BLOCK " * 10, "max_tokens": 2})
         try:
             assert gated.entered.wait(60)
@@ -276,7 +276,7 @@ def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
     spy = Spy(DecodingGenerator(Decoder(target, drafter)))
     endless = {"prompt": [5, 6, 7, 8], "max_tokens": 100_000, "stream": True}
     short = {"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0}
-    with serving(build_app(served(tokenizer), Engine(spy, max_batch=2))) as url:
+    with serving(build_app(served(tokenizer), BatchWorker(spy, max_batch=2))) as url:
         a = raw_request(url, "/v1/completions", endless)
         b = raw_request(url, "/v1/completions", endless)
         assert poll(lambda: health(url)["running"] == 2)
@@ -381,3 +381,87 @@ def test_sigterm_to_the_process_group_drains_in_flight_requests(long_context_tar
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class CrashingTokenizer(GatedTokenizer):
+    """The real tokenizer, except that encoding a text containing 'CRASH' fails as a bug would."""
+
+    def __call__(self, text, **kw):
+        if "CRASH" in text:
+            raise TypeError("a bug in the tokenizer")
+        return self._tok(text, **kw)
+
+
+def test_every_error_body_is_json_and_lone_surrogates_are_refused(tokenizer):
+    """JSON lets a lone surrogate ("\\ud800") into a string, which no tokenizer takes: a 400 that
+    names the field, wherever the string stands. A bug inside the server is a 500 whose body is
+    JSON too, as is an unknown route."""
+    with serving(build_app(served(CrashingTokenizer(tokenizer)), BatchWorker(Endless()))) as url:
+        def post(path: str, body: bytes) -> httpx.Response:
+            return httpx.post(f"{url}/v1/{path}", content=body, headers={"content-type": "application/json"},
+                              timeout=60)
+
+        for path, body, param in (
+                ("completions", rb'{"prompt": "a\ud800b", "max_tokens": 2}', "prompt"),
+                ("completions", rb'{"prompt": ["\udc00"], "max_tokens": 2}', "prompt[0]"),
+                ("completions", rb'{"prompt": "ab", "max_tokens": 2, "stop": ["x", "\ud800"]}', "stop[1]"),
+                ("chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}',
+                 "messages[0].content"),
+                ("chat/completions", rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": '
+                                     rb'"\ud800"}]}], "max_tokens": 2}', "messages[0].content[0].text")):
+            r = post(path, body)
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and "is a lone surrogate (U+D" in error["message"], error
+        r = post("completions", rb'{"prompt": "CRASH", "max_tokens": 2}')
+        assert r.status_code == 500 and r.json()["error"] == {
+            "message": "internal server error: TypeError: a bug in the tokenizer", "type": "server_error",
+            "param": None, "code": 500}
+        r = httpx.get(f"{url}/v1/nothing-here", timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert health(url)["status"] == "ok"  # and the server goes on
+
+
+def never_loaded(*_args, **_kw):
+    raise RuntimeError("the command went on to load the model")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "99999"], "--port 99999: expected a port number 0..65535"),
+    (["--port", "-1"], "--port -1: expected a port number 0..65535"),
+    (["--max-body-mb", "inf"], "--max-body-mb inf: expected a finite size in megabytes"),
+    (["--max-body-mb", "nan"], "--max-body-mb nan: expected a finite size in megabytes"),
+    (["--max-body-mb", "0"], "--max-body-mb 0.0: expected a finite size in megabytes"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout nan: expected a finite number of seconds >= 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout -1.0: expected a finite number of seconds >= 0"),
+    (["--max-queue", "-1"], "--max-queue -1: expected N >= 0"),
+    (["--max-batch", "0"], "--max-batch 0: expected N >= 1"),
+    (["--fail-every", "-3"], "--fail-every -3: expected N >= 0"),
+    (["--join-max-wait-ms", "nan"], "--join-max-wait-ms nan: expected MS >= 0"),
+    (["--join-min-free", "0"], "--join-min-free 0: expected N >= 1"),
+    (["--drafter", "d", "--ddtree-budget", "0"], "--ddtree-budget 0: expected a budget >= 1"),
+    (["--ddtree-budget", "8"], "--ddtree-budget needs --drafter DIR"),
+    (["--host", "no.such.host.invalid"], "--host no.such.host.invalid --port 0: cannot listen there"),
+])
+def test_option_values_are_refused_before_anything_loads(argv, message, capsys, monkeypatch):
+    from dflashkit import serve
+    from dflashkit.cli import main
+
+    monkeypatch.setattr(serve, "EngineProcess", never_loaded)
+    assert main(["serve", "--port", "0", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dflashkit serve: error: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("host,key,warned", [("0.0.0.0", None, True), ("0.0.0.0", "k", False),
+                                             ("127.0.0.1", None, False)])
+def test_a_host_other_machines_reach_without_an_api_key_is_warned_about(host, key, warned, capsys, monkeypatch):
+    from dflashkit import serve
+    from dflashkit.cli import main
+
+    monkeypatch.setattr(serve, "EngineProcess", never_loaded)
+    monkeypatch.delenv("DFLASHKIT_API_KEY", raising=False)
+    assert main(["serve", "--host", host, "--port", "0", *(["--api-key", key] if key else [])]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("dflashkit serve: error: the command went on to load the model\n")  # after the warning
+    assert ("dflashkit serve: warning: listening on 0.0.0.0 without an API key" in err) == warned, err

@@ -8,7 +8,7 @@ stats dict at the end that is merged into the response's `usage` block; `decode/
 `dflashkit serve` runs the decoding loop's `DecodingGenerator`: autoregressive without a
 drafter, DFlash or DDTree with one.
 
-One worker thread owns the model and runs requests in arrival order (`Engine`): concurrent
+One worker thread owns the model and runs requests in arrival order (`BatchWorker`): concurrent
 requests queue instead of racing on the model and its KV cache. With `--max-batch N` it decodes
 up to N requests as one batch that requests join and leave between rounds (continuous
 batching): a request waits only while N others are running, or, as joins are cheaper in groups,
@@ -19,8 +19,9 @@ until enough rows are free or it has waited long enough (`Admission`, `--join-mi
 Running for days: a request whose client disconnected is cancelled (streaming or not), so the
 engine moves on; at most `--max-queue` requests wait (503 beyond, with Retry-After); request bodies
 are capped (413); tokenisation runs on a thread, off the event loop; `--api-key` requires a bearer
-token (except on /health); SIGTERM stops accepting, lets in-flight requests finish for
-`--shutdown-timeout` seconds, then cuts them.
+token (except on /health); SIGTERM or SIGINT, to the server's process or to its whole process
+group, stops accepting, lets in-flight requests finish for `--shutdown-timeout` seconds, then
+cuts them. Every error body is JSON; every option value is checked before anything loads.
 """
 
 from __future__ import annotations
@@ -29,38 +30,43 @@ import argparse
 import asyncio
 import functools
 import hmac
+import ipaddress
 import json
 import logging
+import math
 import os
 import queue
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, closing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflashkit.config import Float, Int  # numbers without booleans (JSON true is no max_tokens)
+from dflashkit.data.chat import encode, render
 from dflashkit.decode.generation import GenerationChunk, Generator
 from dflashkit.decode.loop import DecodingGenerator, make_engine
 
-try:  # the `serve` extra; a module-level name, as FastAPI resolves the handlers' annotations here
+try:  # the `serve` extra; module-level names, as FastAPI resolves the handlers' annotations here
     from starlette.requests import Request
-except ImportError:
-    Request = Any
+    from starlette.responses import JSONResponse, StreamingResponse
+except ImportError:  # `build_app` says what to install
+    Request = JSONResponse = StreamingResponse = Any
 
 log = logging.getLogger(__name__)
 
 
-# ---- the engine: one request at a time on a worker thread --------------------------------------------
+# ---- the engine: requests on a worker thread that owns the model ------------------------------------
 
 
 class _Job:
@@ -71,7 +77,7 @@ class _Job:
     def __init__(self, input_ids: list[int], params: dict[str, Any], queued_at: float, key: int = 0,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.input_ids, self.params, self.key = input_ids, params, key
-        self.queued_at = queued_at  # `Engine.clock` at submission
+        self.queued_at = queued_at  # `BatchWorker.clock` at submission
         self.loop = loop
         self.out: asyncio.Queue | None = asyncio.Queue() if loop else None
         self.cancelled = threading.Event()
@@ -133,7 +139,7 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class Admission:
-    """When queued requests join a running batch (continuous batching, `Engine`).
+    """When queued requests join a running batch (continuous batching, `BatchWorker`).
 
     A join stops the running rows for a prefill of the joining prompts (and their drafter
     context pass) outside the CUDA graphs, mostly kernel launches, about as many for one prompt
@@ -162,7 +168,7 @@ class Admission:
         return running == 0 or free >= self.min_free or waited_s >= self.max_wait_s
 
 
-class Engine:
+class BatchWorker:
     """Runs generation requests in arrival order on a worker thread that owns the model. A
     `BatchedGenerator` decodes a running batch that requests join between rounds (continuous
     batching), up to `max_batch` rows at once, when `admission` says so; a finished or cancelled
@@ -330,13 +336,15 @@ class Engine:
 
 
 class EngineProcess:
-    """An `Engine` in a process of its own, which loads the model and decodes, while this process
-    serves HTTP (`dflashkit serve`). In one process, the event loop's work for every streamed
-    token (parsing, JSON, detokenising, socket writes) takes the interpreter lock from the round
-    loop, which for a small model is bound by the host. Here requests go to the engine's process
-    through a pipe and each round's chunks come back as one message. The same surface as `Engine`
-    for `build_app`: `submit`, `health`, `close`. If the engine's process dies, every open request
-    fails, `failed` says why, and `on_failure` is called (`run` stops the server)."""
+    """A `BatchWorker` in a process of its own, which loads the model and decodes, while this
+    process serves HTTP (`dflashkit serve`). In one process, the event loop's work for every
+    streamed token (parsing, JSON, detokenising, socket writes) takes the interpreter lock from the
+    round loop, which for a small model is bound by the host. Here requests go to the engine's
+    process through a pipe and each round's chunks come back as one message. The same surface as
+    `BatchWorker` for `build_app`: `submit`, `health`, `close`. If the engine's process dies, every
+    open request fails, `failed` says why, and `on_failure` is called (`run` stops the server). A
+    stop signal sent to the whole process group leaves the engine's process running until the
+    server closes it (`_leave_stopping_to_the_server`)."""
 
     def __init__(self, load: Callable[[], tuple[Served, Generator]], max_batch: int, max_queue: int,
                  admission: Admission, on_failure: Callable[[], None] = lambda: None) -> None:
@@ -474,7 +482,7 @@ def _engine_process(conn: Any, load: Callable[[], tuple[Served, Generator]], max
                     jobs.pop(job.key, None)
             conn.send(([(job.key, portable(item)) for job, item in pairs], engine.health()))
 
-    engine = Engine(generator, max_batch, 0, admission, deliver=deliver)
+    engine = BatchWorker(generator, max_batch, 0, admission, deliver=deliver)
     conn.send(served)
     while True:
         try:
@@ -496,7 +504,7 @@ def _engine_process(conn: Any, load: Callable[[], tuple[Served, Generator]], max
     engine.worker.join(30)
 
 
-# ---- requests -----------------------------------------------------------------------------------
+# ---- requests ---------------------------------------------------------------------------------------
 
 
 class APIError(Exception):
@@ -540,6 +548,29 @@ def _check_unsupported(req: Any) -> None:
             raise APIError(400, f"'{name}' = {value!r} is not supported by this server (only {default!r})", name)
 
 
+def _check_text(value: Any, where: str) -> None:
+    """Every string of a request must be Unicode text, which UTF-8 can encode: JSON lets a lone
+    surrogate ("\\ud800") through, which no tokenizer takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{where}: character {e.start} is a lone surrogate (U+{ord(value[e.start]):04X}), "
+                           "not Unicode text; expected UTF-8 text", where) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
+
+
+def _check_request_text(req: _Common) -> None:
+    for name in [*type(req).model_fields, *(req.model_extra or {})]:
+        _check_text(getattr(req, name), name)
+
+
 def _chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
     msgs = []
     for i, m in enumerate(raw):
@@ -556,7 +587,7 @@ def _chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
     return msgs
 
 
-# ---- the app ------------------------------------------------------------------------------------
+# ---- the HTTP edge: the guard, disconnects, what the handlers need of the target --------------------
 
 
 async def _send_json(send: Callable, status: int, message: str, kind: str, headers: tuple = ()) -> None:
@@ -635,223 +666,292 @@ class Served:
         return cls(target.tokenizer, name, frozenset(stops), context)
 
 
-def build_app(served: Served, engine: Engine | EngineProcess, *, fail_every: int = 0, api_key: str | None = None,
-              max_body_bytes: int = 8 << 20):
-    """The FastAPI app over `engine` (which `build_app` closes at shutdown). `fail_every=N`
-    answers every N-th generation request with HTTP 500: a fault injector for testing clients'
-    retries (`dflashkit serve --fail-every N`). `api_key`: required as a bearer token.
-    `max_body_bytes`: 413 beyond."""
+# ---- the app: module-level handlers over one server state -------------------------------------------
+
+
+@dataclass
+class ServerState:
+    """What the handlers of one app share (`app.state.dflashkit`): the target's serving facts,
+    the engine, the request counters and the fault injector's period (`fail_every`), and the one
+    thread that tokenises. Tokenisation (a 1 MB prompt takes seconds) runs there, off the event
+    loop; one thread, as a fast tokenizer must not be used by two threads at once."""
+
+    served: Served
+    engine: BatchWorker | EngineProcess
+    fail_every: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: {"requests": 0, "injected_failures": 0})
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="dflashkit-tokenize"))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.dflashkit
+
+
+async def _off_loop(state: ServerState, fn: Callable, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, fn, *args)
+
+
+@asynccontextmanager
+async def _lifespan(app: Any) -> AsyncIterator[None]:
+    yield
+    state: ServerState = app.state.dflashkit
+    state.engine.close()  # shutdown: whatever is still queued or running is cancelled
+    state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Any:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+async def _on_api_error(_request: Request, e: APIError) -> Any:
+    response = _error(e.status, e.message, e.param, e.kind)
+    if e.status == 503:
+        response.headers["retry-after"] = "1"
+    return response
+
+
+async def _on_invalid_request(_request: Request, e: Any) -> Any:
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+    return _error(400, f"{where}: {first['msg']}", where)
+
+
+async def _on_http_error(_request: Request, e: Any) -> Any:
+    return _error(e.status_code, str(e.detail), kind="not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+
+async def _on_unexpected(_request: Request, e: Exception) -> Any:
+    # A bug, not the request's fault: still an OpenAI-shaped body, which clients parse (the
+    # traceback goes to the server's log).
+    return _error(500, f"internal server error: {type(e).__name__}: {e}", kind="server_error")
+
+
+async def health(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {"status": "ok", "model": state.served.name, **state.counters, **state.engine.health()}
+
+
+async def models(request: Request) -> dict[str, Any]:
+    name = _state(request).served.name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dflashkit"}]}
+
+
+async def completions(req: CompletionRequest, request: Request) -> Any:
+    state, tok = _state(request), _state(request).served.tokenizer
+    _check_request_text(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt: {len(prompt)} prompts in one request; this server takes one", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = await _off_loop(state, encode, tok, prompt)
+    else:
+        ids = list(prompt)
+        if any(not 0 <= t < len(tok) for t in ids):
+            raise APIError(400, f"prompt: token ids must lie in 0..{len(tok) - 1}", "prompt")
+    if not ids:
+        raise APIError(400, "prompt is empty", "prompt")
+    return await _respond(state, request, req, ids, req.max_tokens or 16, chat=False)
+
+
+async def chat_completions(req: ChatRequest, request: Request) -> Any:
+    state, tok = _state(request), _state(request).served.tokenizer
+    _check_request_text(req)
+    msgs = _chat_messages(req.messages)
+    kw = dict(req.chat_template_kwargs or {})
+    try:
+        text = await _off_loop(state, lambda: render(tok, msgs, thinking=bool(kw.pop("enable_thinking", False)),
+                                                     generation_prompt=True))
+    except Exception as e:  # template errors (jinja raise_exception) are the request's fault
+        raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+    ids = await _off_loop(state, encode, tok, text)
+    return await _respond(state, request, req, ids, req.max_completion_tokens or req.max_tokens, chat=True)
+
+
+def _prepare(state: ServerState, req: Any, ids: list[int], max_tokens: int | None) -> tuple[dict[str, Any], list[str]]:
+    """The engine's parameters and the stop strings of a request, after its last checks (and the
+    fault injector's turn)."""
+    _check_unsupported(req)
+    name, context = state.served.name, state.served.context
+    if req.model not in (None, name):
+        raise APIError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model",
+                       "not_found_error")
+    if len(ids) >= context:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; the model's context is {context}", "messages")
+    if max_tokens is not None and len(ids) + max_tokens > context:
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                       f"({context})", "max_tokens")
+    state.counters["requests"] += 1
+    if state.fail_every and state.counters["requests"] % state.fail_every == 0:
+        state.counters["injected_failures"] += 1
+        raise APIError(500, f"injected failure (serve --fail-every {state.fail_every})", kind="server_error")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = dict(max_new_tokens=max_tokens or context - len(ids), temperature=req.temperature, top_p=req.top_p,
+                  stop_ids=state.served.stop_ids, seed=req.seed)
+    return params, [s for s in stops if s]
+
+
+@dataclass
+class _Reply:
+    """One request's answer in the making: its job, the watcher that cancels the job when the
+    client leaves, its stop strings, and the fields every response object of it carries."""
+
+    job: _Job
+    watcher: asyncio.Task
+    stops: list[str]
+    served: Served
+    base: dict[str, Any]  # id, object, created, model
+    prompt_tokens: int
+    chat: bool
+
+    def usage(self, stats: dict[str, Any]) -> dict[str, Any]:
+        stats = dict(stats)
+        completion = stats.pop("completion_tokens", 0)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion, **stats}
+
+
+async def _respond(state: ServerState, request: Request, req: Any, ids: list[int], max_tokens: int | None,
+                   chat: bool) -> Any:
+    params, stops = _prepare(state, req, ids, max_tokens)
+    kind = ("chat.completion.chunk" if req.stream else "chat.completion") if chat else "text_completion"
+    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
+            "created": int(time.time()), "model": state.served.name}
+    try:
+        job = state.engine.submit(ids, **params)
+    except QueueFull as e:
+        raise APIError(503, f"the server is busy: {e}; retry later", kind="server_error") from None
+    reply = _Reply(job, asyncio.create_task(_cancel_on_disconnect(request, job)), stops, state.served, base,
+                   len(ids), chat)
+    if not req.stream:
+        return await _whole_response(reply)
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    return StreamingResponse(_event_stream(reply, include_usage), media_type="text/event-stream")
+
+
+async def _whole_response(reply: _Reply) -> dict[str, Any]:
+    parts, finish, stats = [], "length", {}
+    try:
+        async for text, fin, st in _texts(reply, holdback=False):
+            parts.append(text)
+            finish, stats = fin or finish, st or stats
+    finally:
+        reply.watcher.cancel()
+    out = "".join(parts)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish} if reply.chat
+              else {"index": 0, "text": out, "finish_reason": finish, "logprobs": None})
+    return {**reply.base, "choices": [choice], "usage": reply.usage(stats)}
+
+
+def _event(reply: _Reply, text: str | None, finish: str | None, first: bool = False) -> str:
+    if reply.chat:
+        delta = ({"role": "assistant", "content": ""} if first else {} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return f"data: {json.dumps({**reply.base, 'choices': [choice]})}\n\n"
+
+
+async def _event_stream(reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        if reply.chat:
+            yield _event(reply, None, None, first=True)
+        async for text, fin, st in _texts(reply, holdback=True):
+            if text:
+                yield _event(reply, text, None)
+            if fin:
+                yield _event(reply, None, fin)
+                if include_usage:
+                    yield f"data: {json.dumps({**reply.base, 'choices': [], 'usage': reply.usage(st)})}\n\n"
+    except APIError as e:  # headers are sent: report in-band, as OpenAI servers do
+        yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
+    finally:
+        reply.watcher.cancel()
+        reply.job.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _merge_queued(job: _Job, first: GenerationChunk, held: list[Any]) -> tuple[list[int], str | None, dict]:
+    """`first` and the chunks queued behind it, as one (token ids, finish_reason, stats): chunks
+    that queued up while this client was being served go out as one event, so a server that falls
+    behind sends fewer, larger events instead of falling further. An end or an error met on the
+    way goes to `held`."""
+    new, finish, stats = list(first.token_ids), first.finish_reason, first.stats
+    while finish is None and not job.out.empty():
+        more = job.out.get_nowait()
+        if not isinstance(more, GenerationChunk):
+            held.append(more)
+            break
+        new += more.token_ids
+        finish, stats = more.finish_reason, more.stats
+    return new, finish, stats
+
+
+async def _texts(reply: _Reply, holdback: bool) -> AsyncIterator[tuple[str, str | None, dict]]:
+    """(new text, finish_reason, stats) as the engine produces tokens; stop strings end the text.
+    `holdback` keeps back text that could still become a stop string (streaming)."""
+    job, stops, stop_ids = reply.job, reply.stops, reply.served.stop_ids
+    detokenize = text_so_far(reply.served.tokenizer)
+    generated = sent = 0
+    keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
+    held: list[Any] = []  # an end or an error taken from the queue while merging chunks
+    try:
+        while True:
+            item = held.pop() if held else await job.out.get()
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
+            new, finish, stats = _merge_queued(job, item, held)
+            generated += len(new)
+            text = detokenize([t for t in new if t not in stop_ids])
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                job.cancel()
+                yield text[sent:cut], "stop", {"completion_tokens": generated}
+                return
+            if finish:
+                yield text[sent:], finish, {"completion_tokens": generated, **stats}
+                return
+            end = len(text) - keep
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                end = min(end, len(text) - 1)
+            if end > sent:
+                yield text[sent:end], None, {}
+                sent = end
+    finally:
+        job.cancel()
+
+
+def build_app(served: Served, engine: BatchWorker | EngineProcess, *, fail_every: int = 0,
+              api_key: str | None = None, max_body_bytes: int = 8 << 20) -> Any:
+    """The FastAPI app over `engine` (which the app closes at shutdown). `fail_every=N` answers
+    every N-th generation request with HTTP 500: a fault injector for testing clients' retries
+    (`dflashkit serve --fail-every N`). `api_key`: required as a bearer token. `max_body_bytes`:
+    413 beyond. Every error body is JSON, in OpenAI's shape."""
     try:
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, StreamingResponse
         from starlette.exceptions import HTTPException
     except ImportError as e:  # name what failed: an installed fastapi can miss a dependency of its own
         raise RuntimeError(f"the server needs fastapi and uvicorn: pip install 'dflashkit[serve]' ({e})") from None
 
-    from dflashkit.data.chat import encode, render
-
-    tok, name, stop_ids, context = served.tokenizer, served.name, served.stop_ids, served.context
-    counters = {"requests": 0, "injected_failures": 0}
-    # Tokenisation (a 1 MB prompt takes seconds) runs here, off the event loop; one thread, as a
-    # fast tokenizer must not be used by two threads at once.
-    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dflashkit-tokenize")
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        yield
-        engine.close()  # shutdown: whatever is still queued or running is cancelled
-        tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-
-    async def off_loop(fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *args)
-
-    app = FastAPI(title="dflashkit", version="1", lifespan=lifespan)
+    app = FastAPI(title="dflashkit", version="1", lifespan=_lifespan)
+    app.state.dflashkit = ServerState(served, engine, fail_every)
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body_bytes)
-
-    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_req, e: APIError):
-        response = error(e.status, e.message, e.param, e.kind)
-        if e.status == 503:
-            response.headers["retry-after"] = "1"
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, e: RequestValidationError):
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-        return error(400, f"{where}: {first['msg']}", where)
-
-    @app.exception_handler(HTTPException)
-    async def _http(_req, e: HTTPException):
-        return error(e.status_code, str(e.detail), kind="not_found_error" if e.status_code == 404 else "invalid_request_error")
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": name, **counters, **engine.health()}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dflashkit"}]}
-
-    def prepare(req: Any, ids: list[int], max_tokens: int | None) -> dict[str, Any]:
-        _check_unsupported(req)
-        if req.model not in (None, name):
-            raise APIError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model",
-                           "not_found_error")
-        if len(ids) >= context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; the model's context is {context}", "messages")
-        if max_tokens is not None and len(ids) + max_tokens > context:
-            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
-                           f"({context})", "max_tokens")
-        counters["requests"] += 1
-        if fail_every and counters["requests"] % fail_every == 0:
-            counters["injected_failures"] += 1
-            raise APIError(500, f"injected failure (serve --fail-every {fail_every})", kind="server_error")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return dict(max_new_tokens=max_tokens or context - len(ids), temperature=req.temperature, top_p=req.top_p,
-                    stop_ids=stop_ids, seed=req.seed, _stops=[s for s in stops if s])
-
-    async def texts(job: _Job, stops: list[str], holdback: bool) -> AsyncIterator[tuple[str, str | None, dict]]:
-        """(new text, finish_reason, stats) as the engine produces tokens; stop strings end the text.
-        `holdback` keeps back text that could still become a stop string (streaming)."""
-        detokenize = text_so_far(tok)
-        generated = sent = 0
-        keep = max((len(s) for s in stops), default=1) - 1 if holdback else 0
-        held: list[Any] = []  # an end or an error taken from the queue while merging chunks
-        try:
-            while True:
-                item = held.pop() if held else await job.out.get()
-                if item is None:
-                    return
-                if isinstance(item, Exception):
-                    raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
-                # Chunks that queued up while this client was being served go out as one event:
-                # a server that falls behind sends fewer, larger events instead of falling further.
-                new, finish, stats = list(item.token_ids), item.finish_reason, item.stats
-                while finish is None and not job.out.empty():
-                    more = job.out.get_nowait()
-                    if not isinstance(more, GenerationChunk):
-                        held.append(more)
-                        break
-                    new += more.token_ids
-                    finish, stats = more.finish_reason, more.stats
-                generated += len(new)
-                text = detokenize([t for t in new if t not in stop_ids])
-                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    job.cancel()
-                    yield text[sent:cut], "stop", {"completion_tokens": generated}
-                    return
-                if finish:
-                    yield text[sent:], finish, {"completion_tokens": generated, **stats}
-                    return
-                end = len(text) - keep
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
-                    end = min(end, len(text) - 1)
-                if end > sent:
-                    yield text[sent:end], None, {}
-                    sent = end
-        finally:
-            job.cancel()
-
-    async def respond(request: Request, req: Any, ids: list[int], max_tokens: int | None, chat: bool):
-        params = prepare(req, ids, max_tokens)
-        stops = params.pop("_stops")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": name}
-        try:
-            job = engine.submit(ids, **params)
-        except QueueFull as e:
-            raise APIError(503, f"the server is busy: {e}; retry later", kind="server_error") from None
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-
-        def usage(stats: dict) -> dict:
-            completion = stats.pop("completion_tokens", 0)
-            return {"prompt_tokens": len(ids), "completion_tokens": completion,
-                    "total_tokens": len(ids) + completion, **stats}
-
-        if not req.stream:
-            parts, finish, stats = [], "length", {}
-            try:
-                async for text, fin, st in texts(job, stops, holdback=False):
-                    parts.append(text)
-                    finish, stats = fin or finish, st or stats
-            finally:
-                watcher.cancel()
-            out = "".join(parts)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish} if chat
-                      else {"index": 0, "text": out, "finish_reason": finish, "logprobs": None})
-            return {**base, "choices": [choice], "usage": usage(stats)}
-
-        base["object"] = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-
-        def event(text: str | None, finish: str | None, first: bool = False) -> str:
-            if chat:
-                delta = ({"role": "assistant", "content": ""} if first else {} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
-
-        async def stream():
-            try:
-                if chat:
-                    yield event(None, None, first=True)
-                async for text, fin, st in texts(job, stops, holdback=True):
-                    if text:
-                        yield event(text, None)
-                    if fin:
-                        yield event(None, fin)
-                        if include_usage:
-                            yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage(st)})}\n\n"
-            except APIError as e:  # headers are sent: report in-band, as OpenAI servers do
-                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
-            finally:
-                watcher.cancel()
-                job.cancel()
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt: {len(prompt)} prompts in one request; this server takes one", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await off_loop(encode, tok, prompt)
-        else:
-            ids = list(prompt)
-            if any(not 0 <= t < len(tok) for t in ids):
-                raise APIError(400, f"prompt: token ids must lie in 0..{len(tok) - 1}", "prompt")
-        if not ids:
-            raise APIError(400, "prompt is empty", "prompt")
-        return await respond(request, req, ids, req.max_tokens or 16, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        msgs = _chat_messages(req.messages)
-        kw = dict(req.chat_template_kwargs or {})
-        try:
-            text = await off_loop(lambda: render(tok, msgs, thinking=bool(kw.pop("enable_thinking", False)),
-                                                 generation_prompt=True))
-        except Exception as e:  # template errors (jinja raise_exception) are the request's fault
-            raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
-        ids = await off_loop(encode, tok, text)
-        return await respond(request, req, ids, req.max_completion_tokens or req.max_tokens, chat=True)
-
+    for kind, handler in ((APIError, _on_api_error), (RequestValidationError, _on_invalid_request),
+                          (HTTPException, _on_http_error), (Exception, _on_unexpected)):
+        app.add_exception_handler(kind, handler)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
 
 
-# ---- a server in a subprocess (tests, benchmarks) -----------------------------------------------
+# ---- a server in a subprocess (tests, benchmarks) ---------------------------------------------------
 
 
 @contextmanager
@@ -885,7 +985,7 @@ def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout
             proc.wait()
 
 
-# ---- CLI ------------------------------------------------------------------------------------------
+# ---- CLI --------------------------------------------------------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -931,10 +1031,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def admission_from_args(args: argparse.Namespace) -> Admission:
     """--join-min-free (default: max(1, --max-batch // 4)) and --join-max-wait-ms."""
     min_free = max(1, args.max_batch // 4) if args.join_min_free is None else args.join_min_free
-    if min_free < 1 or not args.join_max_wait_ms >= 0:
-        raise ValueError(f"--join-min-free needs N >= 1 and --join-max-wait-ms MS >= 0, got {min_free} and "
-                         f"{args.join_max_wait_ms}")
+    if min_free < 1:
+        raise ValueError(f"--join-min-free {min_free}: expected N >= 1")
+    if not args.join_max_wait_ms >= 0:  # inf: no time bound
+        raise ValueError(f"--join-max-wait-ms {args.join_max_wait_ms}: expected MS >= 0 (inf: no time bound)")
     return Admission(min_free, args.join_max_wait_ms / 1000)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every option value of `serve`, before anything loads: one line naming the option and what
+    it expects."""
+    drafter_only = [("--ddtree-budget", args.ddtree_budget is not None), ("--cost-aware", args.cost_aware),
+                    ("--draft-tokens", args.draft_tokens is not None)]
+    checks = [
+        (0 <= args.port <= 65535, f"--port {args.port}: expected a port number 0..65535 (0: any free port)"),
+        (args.max_batch >= 1, f"--max-batch {args.max_batch}: expected N >= 1"),
+        (args.max_queue >= 0, f"--max-queue {args.max_queue}: expected N >= 0 (0: no limit)"),
+        (args.fail_every >= 0, f"--fail-every {args.fail_every}: expected N >= 0 (0: no injected failures)"),
+        (math.isfinite(args.max_body_mb) and args.max_body_mb * 2**20 >= 1,
+         f"--max-body-mb {args.max_body_mb}: expected a finite size in megabytes, at least one byte"),
+        (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0,
+         f"--shutdown-timeout {args.shutdown_timeout}: expected a finite number of seconds >= 0"),
+        (args.ddtree_budget is None or args.ddtree_budget >= 1,
+         f"--ddtree-budget {args.ddtree_budget}: expected a budget >= 1"),
+        *((bool(args.drafter) or not given, f"{option} needs --drafter DIR") for option, given in drafter_only),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def bind_socket(host: str, port: int, api_key: str | None) -> socket.socket:
+    """The server's socket, bound before the model loads (a wrong or taken address fails at once),
+    listening only once the server is ready (until then a client is refused rather than kept
+    waiting). Warns when other machines can reach it without an API key."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    address = sock.getsockname()[0]
+    try:
+        local = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        local = False
+    if not local and not api_key:
+        print(f"dflashkit serve: warning: listening on {address or 'every address'} without an API key: anyone who "
+              f"can reach port {sock.getsockname()[1]} can use the model; pass --api-key KEY (or set "
+              "DFLASHKIT_API_KEY), or --host 127.0.0.1", file=sys.stderr, flush=True)
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -942,33 +1089,28 @@ def run(args: argparse.Namespace) -> int:
 
     from dflashkit.commands import config_from_args
 
-    if args.max_queue < 0 or args.max_body_mb <= 0 or args.shutdown_timeout < 0:
-        raise ValueError("--max-queue must be >= 0, --max-body-mb > 0 and --shutdown-timeout >= 0")
-    if args.ddtree_budget is not None and (not args.drafter or args.ddtree_budget < 1):
-        raise ValueError("--ddtree-budget needs --drafter DIR and a budget >= 1")
-    if args.cost_aware and not args.drafter:
-        raise ValueError("--cost-aware needs --drafter DIR")
-    if args.draft_tokens is not None and not args.drafter:
-        raise ValueError("--draft-tokens needs --drafter DIR")
-    if args.max_batch < 1:
-        raise ValueError(f"--max-batch needs N >= 1, got {args.max_batch}")
+    check_options(args)
     admission = admission_from_args(args)
     cfg = config_from_args(args)  # invalid settings fail here, before a process is started
-    engine = EngineProcess(functools.partial(load_for_serving, args, cfg), args.max_batch, args.max_queue, admission,
-                           on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
-    app = build_app(engine.served, engine, fail_every=args.fail_every, api_key=args.api_key or None,
-                    max_body_bytes=int(args.max_body_mb * 2**20))
-    # Bind first, then announce: with --port 0 the caller learns the port, and connections made
-    # before uvicorn starts accepting wait in the backlog instead of being refused.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(128)
-    host, port = sock.getsockname()[:2]
-    print(f"dflashkit serve: listening on http://{host}:{port}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run(sockets=[sock])
-    engine.close()
+    sock = bind_socket(args.host, args.port, args.api_key)
+    with closing(sock):
+        engine = EngineProcess(functools.partial(load_for_serving, args, cfg), args.max_batch, args.max_queue,
+                               admission)
+        try:
+            app = build_app(engine.served, engine, fail_every=args.fail_every, api_key=args.api_key or None,
+                            max_body_bytes=int(args.max_body_mb * 2**20))
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                   timeout_graceful_shutdown=args.shutdown_timeout))
+            engine.on_failure = lambda: setattr(server, "should_exit", True)  # read when the engine fails
+            server.should_exit = bool(engine.failed)  # ... or failed already
+            # Listen, then announce: with --port 0 the caller learns the port, and connections made
+            # before uvicorn starts accepting wait in the backlog instead of being refused.
+            sock.listen(128)
+            host, port = sock.getsockname()[:2]
+            print(f"dflashkit serve: listening on http://{f'[{host}]' if ':' in host else host}:{port}/v1", flush=True)
+            server.run(sockets=[sock])
+        finally:
+            engine.close()
     if engine.failed:
         raise RuntimeError(f"{engine.failed}; see its messages above")
     return 0
