@@ -71,6 +71,13 @@ def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None)
                           env={**CHILD_ENV, **(env or {})}, timeout=timeout)
 
 
+def run_cli_logged(log: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> int:
+    """`dflashkit ARGS > log 2>&1`: stdout and stderr into one file (not a terminal); the exit code."""
+    with open(log, "w") as f:
+        return subprocess.run([sys.executable, "-m", "dflashkit.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                              env={**CHILD_ENV, **(env or {})}, timeout=timeout).returncode
+
+
 def start_cli(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dflashkit.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=CHILD_ENV)

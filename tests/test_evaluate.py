@@ -608,10 +608,8 @@ def test_eval_into_a_log_file_writes_progress_lines_while_it_runs(tiny_eval_file
     """`dflashkit eval ... > log 2>&1`: off a terminal, progress lines at a steady interval, in
     order, before the report; temp folders that a killed evaluation left in --out are removed."""
     import re
-    import subprocess
-    import sys
 
-    from datahelpers import CHILD_ENV
+    from datahelpers import run_cli_logged
     from dflashkit.progress import INTERVAL_ENV
 
     root, out = tiny_eval_files, tmp_path / "out"
@@ -621,12 +619,9 @@ def test_eval_into_a_log_file_writes_progress_lines_while_it_runs(tiny_eval_file
     stale[1].parent.mkdir()
     stale[1].write_text("{")
     log = tmp_path / "log"
-    with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "dflashkit.cli", "eval", "--drafter", str(root / "drafter"),
-                             "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "4", "--methods", "dflash",
-                             "--engine", "hf", "--out", str(out), f"target.path={root / 'model'}", "target.device=cpu"],
-                            stdout=f, stderr=subprocess.STDOUT, env={**CHILD_ENV, INTERVAL_ENV: "0.001"},
-                            timeout=300).returncode
+    rc = run_cli_logged(log, "eval", "--drafter", str(root / "drafter"), "--prompts", str(root / "prompts.jsonl"),
+                        "--max-new-tokens", "4", "--methods", "dflash", "--engine", "hf", "--out", str(out),
+                        f"target.path={root / 'model'}", "target.device=cpu", env={INTERVAL_ENV: "0.001"})
     text = log.read_text()
     assert rc == 0, text
     counts = [int(m) for m in re.findall(r"^online eval: (\d+)/3 prompt \(\d+%\), [\d.]+ prompt/s", text, re.M)]
