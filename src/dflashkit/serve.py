@@ -361,6 +361,10 @@ class EngineProcess:
         except EOFError:
             self.proc.join()
             raise RuntimeError(f"the engine process exited (code {self.proc.exitcode}) while loading") from None
+        except BaseException:  # Ctrl-C while loading: the engine's process leaves stopping to us
+            self.proc.kill()
+            self.proc.join()
+            raise
         if isinstance(ready, BaseException):
             self.proc.join()
             raise ready
