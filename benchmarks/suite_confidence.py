@@ -11,7 +11,7 @@ target's distribution and the harder its argmax is to draft. Reported per suite:
 probability and the share of positions where it is below 0.5.
 
 The same pass gives the drafter's features, so the drafter drafts a block at every answer position
-as a decoding round rooted there would (`evaluate.offline_accepted`). Each drafted token that a
+as a decoding round rooted there would (`bench.confidence.drafted_tokens`). Each drafted token that a
 round reaches (its earlier slots accepted) is a hit or a miss; grouped by the target's probability
 of that token, the hit rates show whether the drafter drafts a suite's tokens worse than another's
 at equal target confidence. `at best's mix` re-weights a suite's hit rates to the best suite's
@@ -33,45 +33,16 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.bench.confidence import BINS, conf_bin, drafted_tokens
 from dflashkit.checkpoint import atomic_write_bytes, load_drafter
-from dflashkit.data.features import FeatureSample
 from dflashkit.data.prompts import EVAL_SUITES, get_suite, load_prompts
 from dflashkit.decode.loop import generate_batch
 from dflashkit.decode.static import static_engine
 from dflashkit.demo import bundled_drafter_dir
-from dflashkit.evaluate import eval_prompts, offline_accepted, summarize
+from dflashkit.evaluate import eval_prompts, summarize
 from dflashkit.progress import progress
 from dflashkit.target import load_target
 from dflashkit.vocab import stop_token_ids
-
-# Bins of the target's probability of the token it chose: edges, lowest bin first.
-EDGES = (0.3, 0.5, 0.7, 0.9)
-BINS = ("<0.3", "0.3-0.5", "0.5-0.7", "0.7-0.9", ">=0.9")
-
-
-def conf_bin(q: float) -> int:
-    return sum(q >= e for e in EDGES)
-
-
-@torch.no_grad()
-def drafted_tokens(target, drafter, prompt: torch.Tensor, answer: list[int]) -> tuple[list[float], list[tuple[float, bool]]]:
-    """(the target's probability of each answer token given everything before it, and for every
-    token that a round rooted at an answer position drafts and reaches: (that probability, hit))."""
-    ids = torch.cat([prompt, torch.tensor(answer, dtype=prompt.dtype)])
-    out = target.forward(ids[None].to(target.device), drafter.config.target_layer_ids)
-    n, last = len(prompt), drafter.config.block_size - 1
-    logits = out.logits[0, n - 1:-1].float()
-    probs = logits.softmax(-1).gather(1, ids[n:, None].to(logits.device)).squeeze(1).tolist()
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[n:] = True
-    acc, _ = offline_accepted(drafter, target, FeatureSample("probe", ids, mask, out.features[0]),
-                              [("dflash", "dflash", None)], None)
-    tokens = []
-    for p, a in acc["dflash"].items():  # the block rooted at p (bonus = token p) drafts p + 1, p + 2, ...
-        tokens += [(probs[p + k - n], True) for k in range(1, a + 1)]
-        if a < last and p + a + 1 < len(ids):  # the first miss ends the round
-            tokens.append((probs[p + a + 1 - n], False))
-    return probs, tokens
 
 
 def main() -> None:

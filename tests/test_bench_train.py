@@ -1,12 +1,9 @@
-"""`benchmarks/bench_train.py`'s search for the longest sequence that fits a memory budget."""
+"""The search for the longest sequence that fits a memory budget (`benchmarks/bench_train.py
+--max-seq`)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_train import bisect_longest  # noqa: E402
+from dflashkit.bench.memory import bisect_longest
 
 
 def test_bisect_longest_finds_the_limit_below_and_above_a_wrong_prediction():

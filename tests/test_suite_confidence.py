@@ -1,19 +1,14 @@
-"""`benchmarks/suite_confidence.py` turns a round's accepted count at each answer position into
-hits and misses of the drafted tokens it reached, each with the target's probability of that
-token: the accepted tokens are hits, the first rejected one (if the block and the answer go on)
-is the miss that ends the round."""
+"""`bench.confidence` (what `benchmarks/suite_confidence.py` runs) turns a round's accepted count
+at each answer position into hits and misses of the drafted tokens it reached, each with the
+target's probability of that token: the accepted tokens are hits, the first rejected one (if the
+block and the answer go on) is the miss that ends the round."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 
 from conftest import make_tiny_drafter
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import suite_confidence  # noqa: E402
+from dflashkit.bench import confidence
 
 
 def test_hits_and_misses_are_the_tokens_each_round_reached(tiny_target, monkeypatch):
@@ -21,8 +16,8 @@ def test_hits_and_misses_are_the_tokens_each_round_reached(tiny_target, monkeypa
     prompt, answer = torch.tensor([5, 9, 14, 3]), [7, 21, 30, 11, 8, 40, 12, 6, 19, 25, 33, 17]
     n = len(prompt)
     accepted = {n: 2, n + 1: 0, n + 2: 7, n + 9: 1, n + 10: 1}  # position -> accepted draft tokens
-    monkeypatch.setattr(suite_confidence, "offline_accepted", lambda *a, **k: ({"dflash": accepted}, []))
-    probs, drafted = suite_confidence.drafted_tokens(tiny_target, drafter, prompt, answer)
+    monkeypatch.setattr(confidence, "offline_accepted", lambda *a, **k: ({"dflash": accepted}, []))
+    probs, drafted = confidence.drafted_tokens(tiny_target, drafter, prompt, answer)
 
     ids = torch.cat([prompt, torch.tensor(answer)])
     with torch.no_grad():
