@@ -161,9 +161,11 @@ def test_crafted_training_state_does_not_run_code(tmp_path):
     marker = tmp_path / "pwned"
     (tmp_path / "ck").mkdir()
     torch.save({"step": 1, "evil": _Payload(str(marker))}, tmp_path / "ck" / "training_state.pt")
-    with pytest.raises(CheckpointError, match=r"ck/training_state.pt: not a training state .* safely"):
+    with pytest.raises(CheckpointError, match=r"ck/training_state.pt: not a training state .* safely") as e:
         load_training_state(tmp_path / "ck")
     assert not marker.exists()
+    assert "Unsupported global" in str(e.value) or "unsupported GLOBAL" in str(e.value)
+    assert "weights_only" not in str(e.value) and "\n" not in str(e.value)  # never torch's advice to load it unsafely
 
 
 def test_malformed_training_state_and_truncated_weights(tiny_target, tmp_path):
@@ -175,6 +177,9 @@ def test_malformed_training_state_and_truncated_weights(tiny_target, tmp_path):
         load_training_state(tmp_path / "ck")
     w = tmp_path / "ck" / "model.safetensors"
     w.write_bytes(w.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"ck/model.safetensors: differs from the SHA-256 recorded in .*SHA256SUMS"):
+        load_drafter(tmp_path / "ck", tiny_target)
+    (tmp_path / "ck" / "SHA256SUMS").unlink()  # as a published drafter, which has no sums
     with pytest.raises(CheckpointError, match=r"ck/model.safetensors: not a readable safetensors file"):
         load_drafter(tmp_path / "ck", tiny_target)
     (tmp_path / "ck" / "config.json").write_text("[1, 2]")

@@ -41,7 +41,7 @@ def _assert_same_tensors(a, b):
 
 def test_reference_round_trip(drafter, tiny_target, tmp_path):
     out = export_reference(drafter, tmp_path / "ref")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "dflash.py", "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["auto_map"] == AUTO_MAP == {"AutoModel": "dflash.DFlashDraftModel"}
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3]

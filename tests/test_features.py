@@ -48,7 +48,7 @@ def caches(smollm2, chats, tmp_path_factory):
 @pytest.mark.slow
 def test_cache_equals_recompute(smollm2, chats, caches):
     path, manifest = caches["bf16_b1"]
-    cache = FeatureCache(path, verify=True)
+    cache = FeatureCache(path)
     batched = FeatureCache(caches["bf16"][0])
     assert len(cache) == len(chats) == manifest["num_samples"] and manifest["num_shards"] > 1
     assert manifest["num_tokens"] == sum(len(s.input_ids) for s in chats)
@@ -108,7 +108,7 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     # Same shards, byte for byte, as the uninterrupted run; no stray temp files.
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in ref["shards"]]
-    assert not list(out.glob(".*"))
+    assert not list(out.glob(".*.tmp"))
     ids = FeatureCache(out).ids
     assert ids == [s.id for s in samples] and len(set(ids)) == len(ids)
 
@@ -122,12 +122,16 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path, capsys):
 
 def test_extract_refuses_token_ids_outside_the_vocabulary(tiny_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"id": "a", "input_ids": [5, -3, 7], "loss_mask": [0, 1, 1]}) + "\n")
-    rc = cli_main(["extract", "--input", str(bad), "--out", str(tmp_path / "f"), f"target.path={tiny_dir}",
-                   "drafter.num_taps=2"])
+    bad.write_text(json.dumps({"id": "a", "input_ids": [5, 1000000, 7], "loss_mask": [0, 1, 1]}) + "\n")
+    args = ["extract", "--input", str(bad), "--out", str(tmp_path / "f"), f"target.path={tiny_dir}", "drafter.num_taps=2"]
+    rc = cli_main(args)
     err = capsys.readouterr().err
-    assert rc == 1 and "sample 'a': token id -3 is outside the target's vocabulary" in err, err
+    assert rc == 1 and "sample 'a': token id 1000000 is outside the target's vocabulary" in err, err
     assert not (tmp_path / "f" / "settings.json").exists()
+    bad.write_text(json.dumps({"id": "a", "input_ids": [5, -3, 7], "loss_mask": [0, 1, 1]}) + "\n")
+    rc = cli_main(args)  # not a token id of any vocabulary: the file itself is refused
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{bad}:1: field 'input_ids': expected a non-empty list of token ids" in err, err
 
 
 def test_ranks_write_disjoint_shards(tiny_dir, tmp_path):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,7 +26,7 @@ from dflashkit.drafter import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
 
-CONFIG, WEIGHTS, TRAINING_STATE = "config.json", "model.safetensors", "training_state.pt"
+CONFIG, WEIGHTS, TRAINING_STATE, SUMS = "config.json", "model.safetensors", "training_state.pt", "SHA256SUMS"
 
 
 class CheckpointError(ValueError):
@@ -120,19 +121,60 @@ def complete_lines(f: BinaryIO, name: str | Path) -> Iterator[tuple[int, bytes]]
         yield lineno, line
 
 
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype | None = None,
-                 training_state: dict[str, Any] | None = None) -> Path:
-    """Write the drafter in the reference format (each file atomically)."""
+                 training_state: dict[str, Any] | None = None, config_extra: dict[str, Any] | None = None) -> Path:
+    """Write the drafter in the reference format (each file atomically), `config_extra` merged into
+    its config.json, and the SHA-256 of every file written in SHA256SUMS (`sha256sum -c` checks
+    them; so does every loader here)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    (path / SUMS).unlink(missing_ok=True)  # a kill before the new sums leaves none, never stale ones
     tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    cfg = drafter.config.to_json_dict()
+    cfg = {**drafter.config.to_json_dict(), **(config_extra or {})}
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     atomic_save(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), path / WEIGHTS)
     atomic_write_json(path / CONFIG, cfg)
+    names = [WEIGHTS, CONFIG]
     if training_state is not None:
         atomic_save(lambda tmp: torch.save(training_state, tmp), path / TRAINING_STATE)
+        names.append(TRAINING_STATE)
+    atomic_write_bytes(path / SUMS, "".join(f"{sha256_file(path / n)}  {n}\n" for n in sorted(names)).encode())
     return path
+
+
+def recorded_sums(directory: Path) -> dict[str, str]:
+    """name -> sha256 from `directory`/SHA256SUMS; {} when there is none (published drafters)."""
+    f = directory / SUMS
+    if not f.is_file():
+        return {}
+    sums = {}
+    try:
+        lines = f.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        lines = ["?"]
+    for line in lines:
+        m = re.fullmatch(r"([0-9a-f]{64}) [ *](\S+)", line)
+        if not m:
+            raise CheckpointError(f"{f}: expected lines '<64 hex digits>  FILE' (sha256sum format), found {line[:80]!r}; "
+                                  f"it is damaged: delete it to use {directory} unchecked")
+        sums[m.group(2)] = m.group(1)
+    return sums
+
+
+def verify_file(path: Path) -> None:
+    """`path` against the SHA-256 that SHA256SUMS beside it records, when it records one."""
+    want = recorded_sums(path.parent).get(path.name)
+    if want is not None and sha256_file(path) != want:
+        raise CheckpointError(f"{path}: differs from the SHA-256 recorded in {path.parent / SUMS} (damaged or edited "
+                              f"since it was written); restore it, or delete {SUMS} to use it as it is")
 
 
 def load_config(path: str | Path) -> DrafterConfig:
@@ -140,16 +182,53 @@ def load_config(path: str | Path) -> DrafterConfig:
     cfg_file = path / CONFIG
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no {CONFIG}; a drafter directory holds {CONFIG} and {WEIGHTS}")
+    verify_file(cfg_file)
     try:
-        raw = json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_file}: top level is a {type(raw).__name__}, expected a JSON object (a drafter config)")
+    bad = config_value_problems(raw)
+    if bad:
+        raise CheckpointError(f"{cfg_file}: " + "; ".join(bad))
     try:
         return DrafterConfig.from_json_dict(raw, source=str(cfg_file))
     except (ValueError, TypeError) as e:
         raise CheckpointError(str(e)) from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# Optional drafter config fields: (check, what is expected). Sizes are checked by `from_json_dict`.
+_CONFIG_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "block_size": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+    "rms_norm_eps": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    "rope_theta": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    "max_position_embeddings": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "layer_types": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
+                    "a list of layer type names"),
+    "sliding_window": (lambda v: v is None or (_is_int(v) and v >= 1), "null or a positive integer"),
+    "attention_bias": (lambda v: isinstance(v, bool), "true or false"),
+    "dflash_config": (lambda v: isinstance(v, dict), "a JSON object"),
+    "dflash_config.mask_token_id": (lambda v: _is_int(v) and v >= 0, "a token id (an integer >= 0)"),
+    "dflash_config.target_layer_ids": (lambda v: isinstance(v, list) and all(_is_int(i) for i in v),
+                                       "a list of layer indices (integers)"),
+}
+
+
+def config_value_problems(raw: dict[str, Any]) -> list[str]:
+    """Values of a drafter config.json of the wrong type or range, each as "field: expected ..., got ..."."""
+    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    present = {**raw, **{f"dflash_config.{k}": v for k, v in dflash.items()}}
+    return [f"field '{k}': expected {what}, got {present[k]!r}"[:200]
+            for k, (ok, what) in _CONFIG_VALUES.items() if k in present and not ok(present[k])]
 
 
 def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.device = "cpu",
@@ -162,6 +241,7 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
     wfile = path / WEIGHTS
     if not wfile.is_file():
         raise CheckpointError(f"{path}: no {WEIGHTS}")
+    verify_file(wfile)
     state = read_safetensors(wfile)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in DFlashDrafter(config).state_dict().items()}
@@ -176,6 +256,10 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
     wrong = [f"{k}: expected {tuple(expected[k])}, got {tuple(state[k].shape)}" for k in expected if state[k].shape != expected[k]]
     if wrong:
         raise CheckpointError(f"{wfile}: tensors of the wrong shape for {CONFIG}: " + "; ".join(wrong[:6]))
+    nonfinite = [k for k, v in state.items() if not (v.is_floating_point() and bool(torch.isfinite(v).all()))]
+    if nonfinite:
+        raise CheckpointError(f"{wfile}: tensors {nonfinite[:4]} hold non-finite values or are not floating point; "
+                              "a usable drafter has finite weights")
     if target is not None:
         problems = target_problems(config, target)
         if problems:
@@ -188,7 +272,6 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
 # Parts for moving a drafter through a channel that caps file sizes (a remote GPU job may return
 # files of at most 16 MB each): 15 MiB is under that cap in any unit.
 PART_BYTES = 15 * 2**20
-SUMS = "SHA256SUMS"
 
 
 def split_drafter(src: str | Path, out: str | Path, part_bytes: int = PART_BYTES) -> list[Path]:
@@ -216,10 +299,10 @@ def split_drafter(src: str | Path, out: str | Path, part_bytes: int = PART_BYTES
 
 
 def join_drafter(parts: str | Path, out: str | Path) -> Path:
-    """`split_drafter`'s parts -> the drafter directory `out` (config.json + model.safetensors),
-    each file checked against SHA256SUMS before it is written."""
+    """`split_drafter`'s parts -> the drafter directory `out` (config.json + model.safetensors +
+    SHA256SUMS), each file checked against SHA256SUMS before it is written."""
     parts, out = Path(parts), Path(out)
-    sums = {name: digest for digest, name in (line.split(maxsplit=1) for line in (parts / SUMS).read_text().splitlines())}
+    sums = recorded_sums(parts)
     pieces = sorted(parts.glob(f"{WEIGHTS}.part*"))
     files = {CONFIG: (parts / CONFIG).read_bytes(), WEIGHTS: b"".join(p.read_bytes() for p in pieces)}
     for name, data in files.items():
@@ -229,6 +312,7 @@ def join_drafter(parts: str | Path, out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         atomic_write_bytes(out / name, data)
+    atomic_write_bytes(out / SUMS, (parts / SUMS).read_bytes())
     return out
 
 
@@ -287,29 +371,99 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                               "from an interrupted copy") from None
 
 
-# What a training state must hold (see train.py); checked before use so that a damaged file is
-# reported as such instead of failing deep inside the trainer.
-TRAINING_STATE_KEYS = ("version", "step", "total_steps", "batch_size", "num_train", "best", "rng", "params",
-                       "optimizer", "scheduler")
+# What a training state must hold (see train.py): each key, a check of its value and what is
+# expected. Checked before use, so that a damaged or crafted file is reported as such instead of
+# failing deep inside the trainer, or training from a wrong step.
+def _count(lo: int) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and v >= lo
+
+
+def _tensors(v: Any, leaf: Callable[[Any], bool]) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and leaf(x) for k, x in v.items())
+
+
+def _finite_tensor(v: Any) -> bool:
+    return torch.is_tensor(v) and v.is_floating_point() and bool(torch.isfinite(v).all())
+
+
+def _python_rng(v: Any) -> bool:
+    """`random.getstate()`: (version, 625 ints, None or a float)."""
+    return (isinstance(v, tuple) and len(v) == 3 and _is_int(v[0]) and isinstance(v[1], tuple)
+            and len(v[1]) == 625 and all(_is_int(x) for x in v[1]) and (v[2] is None or _is_number(v[2])))
+
+
+def _rng(v: Any) -> bool:
+    def byte_state(t: Any) -> bool:
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    return (isinstance(v, dict) and byte_state(v.get("torch")) and _python_rng(v.get("python"))
+            and ("cuda" not in v or byte_state(v["cuda"])))
+
+
+def _best(v: Any) -> bool:
+    def scores(x: Any) -> bool:
+        return isinstance(x, dict) and all(isinstance(k, str) and _is_number(y) for k, y in x.items())
+    return (isinstance(v, dict) and _is_number(v.get("tau_sim")) and (v.get("step") is None or _count(0)(v.get("step")))
+            and all(scores(v[k]) for k in ("tau_sim_by_suite", "tau_rounds_probes") if k in v))
+
+
+def _scheduler(v: Any) -> bool:
+    def rates(x: Any) -> bool:
+        return isinstance(x, list) and all(_is_number(r) for r in x)
+    return (isinstance(v, dict) and _count(-1)(v.get("last_epoch"))
+            and all(rates(v[k]) for k in ("base_lrs", "_last_lr") if k in v))
+
+
+def _optimizer_entry(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and (_finite_tensor(x) or _is_number(x)) for k, x in v.items())
+
+
+TRAINING_STATE_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "version": (_is_int, "an integer"),
+    "step": (_count(0), "a step number (an integer >= 0)"),
+    "total_steps": (_count(1), "an integer >= 1"),
+    "batch_size": (_count(1), "an integer >= 1"),
+    "num_train": (_count(0), "an integer >= 0"),
+    "best": (_best, "{'tau_sim': number, 'step': step or null, ...}"),
+    "rng": (_rng, "{'torch': uint8 tensor, 'python': random.getstate(), 'cuda' (optional): uint8 tensor}"),
+    "params": (lambda v: _tensors(v, _finite_tensor), "parameter name -> finite floating-point tensor"),
+    "optimizer": (lambda v: _tensors(v, _optimizer_entry), "parameter name -> {state name: finite tensor or number}"),
+    "scheduler": (_scheduler, "a learning-rate scheduler state (integer last_epoch, lists of rates)"),
+}
 
 
 def load_training_state(path: str | Path) -> dict[str, Any] | None:
     """`training_state.pt` of a checkpoint directory, or None when there is none.
 
-    Loaded with `weights_only=True`: tensors and plain data only, so a crafted file cannot run code."""
+    Loaded with `weights_only=True`: tensors and plain data only, so a crafted file cannot run code.
+    Checked against SHA256SUMS and for the type and range of every value."""
     f = Path(path) / TRAINING_STATE
     if not f.is_file():
         return None
     import pickle
 
+    verify_file(f)
     try:
         state = torch.load(f, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, ImportError, TypeError,
+            IndexError, KeyError, OverflowError, MemoryError) as e:
         raise CheckpointError(f"{f}: not a training state this tool can load safely (tensors and plain data only): "
-                              f"{first}") from None
-    missing = [k for k in TRAINING_STATE_KEYS if not isinstance(state, dict) or k not in state]
+                              f"{refusal_reason(e)}") from None
+    missing = [k for k in TRAINING_STATE_VALUES if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{f}: malformed training state, missing {', '.join(missing)}; "
                               "it was not written by `dflashkit train` or is damaged")
+    bad = [f"'{k}': expected {what}" for k, (ok, what) in TRAINING_STATE_VALUES.items() if not ok(state[k])]
+    if not bad and state["step"] > state["total_steps"]:
+        bad.append(f"'step': {state['step']} is past total_steps {state['total_steps']}")
+    if bad:
+        raise CheckpointError(f"{f}: malformed training state, field {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return state
+
+
+def refusal_reason(e: BaseException) -> str:
+    """Why torch.load refused a file, in one line, without torch's advice to retry with
+    `weights_only=False` (loading a file that way can run any code inside it)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    advice = re.compile(r"weights_only|Weights only load failed|trusted source|documentation of torch\.load", re.I)
+    kept = [ln for ln in lines if not advice.search(ln)]
+    return (kept[0] if kept else type(e).__name__)[:300]

@@ -32,16 +32,18 @@ import os
 import time
 from bisect import bisect_right
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from dflashkit.checkpoint import atomic_save, atomic_write_json, remove_stale_temp_files
+from dflashkit.checkpoint import atomic_save, atomic_write_json, remove_stale_temp_files, sha256_file
 from dflashkit.data.chat import TokenizedSample
 from dflashkit.parallel import lockstep
 from dflashkit.progress import Bar, progress
@@ -99,14 +101,6 @@ def target_identity(target: Any) -> dict[str, Any]:
             "vocab_size": target.vocab_size,
             "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
             "weights_fingerprint": h.hexdigest()}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---- extraction --------------------------------------------------------------------------------
@@ -266,28 +260,121 @@ def write_manifest(out: Path, settings: dict[str, Any], num_shards: int) -> dict
 # ---- reading ---------------------------------------------------------------------------------------
 
 
+class _ShardEntry(BaseModel):
+    model_config = ConfigDict(strict=True)
+    file: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+    first_sample: int = Field(ge=0)
+    num_samples: int = Field(ge=1)
+    num_tokens: int = Field(ge=0)
+
+
+class _Manifest(BaseModel):
+    """The manifest's fields that reading relies on (others are informative)."""
+    model_config = ConfigDict(strict=True)
+    format: Literal["dflashkit-features/1"]
+    target: dict[str, Any]
+    layer_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    hidden_size: int = Field(ge=1)
+    dtype: Literal["bfloat16", "float16", "float32", "fp8"]
+    num_samples: int = Field(ge=0)
+    num_shards: int = Field(ge=0)
+    shards: list[_ShardEntry]
+
+
+def read_manifest(mpath: Path) -> dict[str, Any]:
+    """manifest.json, its values checked: types and ranges, shards that cover the samples in order."""
+    try:
+        raw = json.loads(mpath.read_bytes().decode("utf-8"))
+        m = _Manifest.model_validate(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{mpath}: not valid JSON ({e}); extract the features again") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "top level"
+        raise ValueError(f"{mpath}: field '{where}': {err['msg']} (got {str(err.get('input'))[:80]})") from None
+    start = 0
+    for k, s in enumerate(m.shards):
+        if s.first_sample != start:
+            raise ValueError(f"{mpath}: field 'shards.{k}.first_sample' is {s.first_sample}, expected {start} "
+                             "(shards hold consecutive samples)")
+        start += s.num_samples
+    if start != m.num_samples or len(m.shards) != m.num_shards:
+        raise ValueError(f"{mpath}: {len(m.shards)} shards of {start} samples, but num_shards is {m.num_shards} "
+                         f"and num_samples {m.num_samples}")
+    return raw
+
+
+def shard_file(directory: Path, name: str) -> Path:
+    """A shard named in a manifest: a plain file name inside `directory`, never a path out of it
+    (no '/', '..' or absolute path, no link that leads elsewhere)."""
+    f = directory / name
+    if Path(name).name != name or name in (".", "..") or "\\" in name or f.resolve().parent != directory.resolve():
+        raise ValueError(f"{directory / 'manifest.json'}: shard file {name!r} is not a file name inside {directory}")
+    return f
+
+
+# dtype names in a safetensors header, by storage dtype
+_HEADER_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8": "F8_E4M3"}
+
+
+def shard_index(f: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> tuple[list[int], list[str]]:
+    """(offsets, ids) of a shard, after checking its tensors' names, dtypes and shapes, its offsets
+    (from 0, non-decreasing, ending at its row count) and its metadata against the manifest."""
+    from safetensors import SafetensorError
+
+    n, rows, taps = entry["num_samples"], entry["num_tokens"], len(manifest["layer_ids"])
+    want = {"input_ids": ("I32", [rows]), "loss_mask": ("U8", [rows]), "offsets": ("I64", [n + 1]),
+            "features": (_HEADER_DTYPES[manifest["dtype"]], [rows, taps * manifest["hidden_size"]])}
+    if manifest["dtype"] == "fp8":
+        want["scales"] = ("F32", [rows, taps])
+    try:
+        with safe_open(str(f), "pt") as sf:
+            have = {k: (sf.get_slice(k).get_dtype(), sf.get_slice(k).get_shape()) for k in sf.keys()}
+            if have != want:
+                raise ValueError(f"tensors {have}, expected {want}")
+            meta = json.loads((sf.metadata() or {}).get("dflashkit", "null"))
+            offsets, ids, mask = sf.get_tensor("offsets"), sf.get_tensor("input_ids"), sf.get_tensor("loss_mask")
+    except (SafetensorError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: not a readable feature shard ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{f}: {e}"[:400]) from None
+    ok_meta = (isinstance(meta, dict) and meta.get("layer_ids") == manifest["layer_ids"]
+               and meta.get("dtype") == manifest["dtype"] and isinstance(meta.get("ids"), list)
+               and len(meta["ids"]) == n and all(isinstance(i, str) for i in meta["ids"]))
+    if not ok_meta:
+        raise ValueError(f"{f}: metadata 'dflashkit' does not match the manifest (expected {n} sample ids, "
+                         f"layer_ids {manifest['layer_ids']}, dtype {manifest['dtype']!r})")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != rows or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"{f}: tensor 'offsets' must rise from 0 to its {rows} rows")
+    if bool((ids < 0).any()) or bool((mask > 1).any()):
+        raise ValueError(f"{f}: tensor 'input_ids' holds negative token ids or 'loss_mask' values other than 0 and 1")
+    return offsets.tolist(), meta["ids"]
+
+
 class FeatureCache:
     """Read an extracted feature directory as a sequence of `FeatureSample`s (features
     de-quantised to `dtype`). Picklable (no open files), so DataLoader workers can share it."""
 
-    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32, verify: bool = False) -> None:
+    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32) -> None:
+        """Opening checks the manifest's values, that every shard lies inside the directory, and
+        every shard's size and sha256 (read once, on parallel threads); each shard's tensors are
+        checked against the manifest when first read."""
         self.path, self.dtype = Path(path), dtype
         mpath = self.path / "manifest.json"
         if not mpath.is_file():
             hint = (" (extraction is unfinished: run `dflashkit extract` again to complete it)"
                     if (self.path / "settings.json").exists() else "")
             raise FileNotFoundError(f"{mpath} does not exist{hint}")
-        self.manifest: dict[str, Any] = json.loads(mpath.read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{mpath}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        self.manifest: dict[str, Any] = read_manifest(mpath)
         for s in self.manifest["shards"]:
-            f = self.path / s["file"]
+            f = shard_file(self.path, s["file"])
             if not f.is_file() or f.stat().st_size != s["bytes"]:
                 raise ValueError(f"{f}: missing or not the size the manifest records ({s['bytes']} bytes)")
-        if verify:
-            bad = self.verify()
-            if bad:
-                raise ValueError("; ".join(bad))
+        bad = self.verify()
+        if bad:
+            raise ValueError(f"{bad[0]}" + (f" (and {len(bad) - 1} more shards)" if len(bad) > 1 else ""))
         self._starts = [s["first_sample"] for s in self.manifest["shards"]]
         self._index: dict[int, tuple[list[int], list[str]]] = {}  # shard -> (offsets, ids), read on first use
 
@@ -308,9 +395,12 @@ class FeatureCache:
         return [sid for k in range(len(self.manifest["shards"])) for sid in self._shard(k)[1]]
 
     def verify(self) -> list[str]:
-        """Shards whose sha256 differs from the manifest's."""
-        return [f"{self.path / s['file']}: sha256 differs from the manifest (corrupt or replaced)"
-                for s in self.manifest["shards"] if sha256_file(self.path / s["file"]) != s["sha256"]]
+        """Shards whose sha256 differs from the manifest's (hashed on threads: hashlib releases the GIL)."""
+        shards = self.manifest["shards"]
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(lambda s: sha256_file(self.path / s["file"]), shards))
+        return [f"{self.path / s['file']}: sha256 differs from the one the manifest records (damaged or replaced); "
+                "extract the features again" for s, d in zip(shards, digests) if d != s["sha256"]]
 
     def target_problems(self, target: Any) -> list[str]:
         """Why these features may not be `target`'s (empty when the identities agree)."""
@@ -320,8 +410,8 @@ class FeatureCache:
 
     def _shard(self, k: int) -> tuple[list[int], list[str]]:
         if k not in self._index:
-            with safe_open(str(self.path / self.manifest["shards"][k]["file"]), "pt") as f:
-                self._index[k] = (f.get_tensor("offsets").tolist(), json.loads(f.metadata()["dflashkit"])["ids"])
+            self._index[k] = shard_index(self.path / self.manifest["shards"][k]["file"], self.manifest["shards"][k],
+                                         self.manifest)
         return self._index[k]
 
     def __getitem__(self, i: int) -> FeatureSample:
