@@ -5,8 +5,8 @@ After the q/k/v GEMM, a decoding pass of the static runner normalises the query 
 keys and values into the cache. Compiled by Inductor that is four kernels per layer on an H200
 (the query and key heads and the value store have different sizes, so they do not fuse), each
 costing a launch and its latency for little work. Here one program per (`BLOCK_T` tokens, head)
-does its head's part, so a layer launches one kernel: on a Qwen3-8B-shaped target a DFlash round went
-from 6.72 to 6.55 ms, 113 launches fewer (docs/benchmarks.md).
+does its head's part, so a layer launches one kernel: on a Qwen3-8B-shaped target that saves 113
+launches and 0.17 ms of a 6.7 ms DFlash round on an H200 (`bench_decode.py --unfused-heads`).
 
 `available` says where it runs: CUDA, Triton importable, q/k/v fused into one weight, heads of 64
 or 128 dims with RoPE on all of them, no gated attention (Qwen3.5 keeps `static.qkv`). Numerics

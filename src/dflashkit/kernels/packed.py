@@ -1,7 +1,6 @@
 """oneDNN's packed weights: how the CPU engine multiplies. MKL's GEMM with 2-16 rows (a
 verification pass, a drafter's block) costs up to 2-3x its one-row time; oneDNN's linear over a
-weight reordered once into its blocked layout costs 1.1-1.3x (SmolLM2 on 2 cores,
-docs/benchmarks.md). Used for the target's layers and LM head and the drafter's projections."""
+weight reordered once into its blocked layout costs 1.1-1.3x (SmolLM2 on 2 cores). Used for the target's layers and LM head and the drafter's projections."""
 
 from __future__ import annotations
 
