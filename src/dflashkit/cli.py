@@ -14,6 +14,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from dflashkit import versions
 
@@ -44,6 +45,14 @@ def _handler(module: str, command: str):
             getattr(mod, f"run_{name}", None) or mod.run)
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error (an unknown option, a value its type refuses) is bad input like any other:
+    one line naming the option, exit status 1; 2 stays the status of a bug."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 # `section.field=value`: a config override, wherever it stands among the options.
 _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")
 
@@ -63,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv  # accepted anywhere on the line
     argv = [a for a in argv if a != "--debug"]
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dflashkit",
         description="Train, evaluate and serve DFlash block-diffusion drafters for speculative decoding.",
         epilog="Run `dflashkit COMMAND --help` for a command's options.")
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *late]
         extra = [a for a in extra if a not in late]
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        (sub.choices[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         parser.print_help()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -26,15 +28,46 @@ DRAFT_TOKENS_HELP = ("tokens drafted a round (default: the drafter's block_size 
                      "from batch 32 on a GPU (docs/serving.md, Draft length)")
 
 
+def _checked(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
+    """`convert(text)` if it converts and passes `ok`; else argparse's usage error, which names the
+    option: `argument --timeout: expected a finite number > 0, got 'nan'`."""
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count >= 1 (`--draft-tokens N`: the drafter's block bounds it when it loads)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return n
+    return _checked(text, int, lambda n: n >= 1, "an integer >= 1")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of a count >= 0 (`--retries`)."""
+    return _checked(text, int, lambda n: n >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a finite amount > 0 (seconds, sizes): not 0, not nan, not inf."""
+    return _checked(text, float, lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type of a finite amount >= 0 (`--temperature`)."""
+    return _checked(text, float, lambda x: math.isfinite(x) and x >= 0, "a finite number >= 0")
+
+
+def probability(text: str) -> float:
+    """argparse type of a probability mass in (0, 1] (`--top-p`)."""
+    return _checked(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+
+
+def cosine(text: str) -> float:
+    """argparse type of a cosine similarity in [-1, 1] (`--min-cosine`)."""
+    return _checked(text, float, lambda x: -1 <= x <= 1, "a number in [-1, 1]")
 
 
 def budget_list(text: str) -> list[int]:

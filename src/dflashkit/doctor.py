@@ -368,21 +368,15 @@ def check_layers(target: Any) -> list[Finding]:
     return found
 
 
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return int(value)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import add_config_options, positive_int
 
     p.add_argument("drafter", metavar="DRAFTER", help="reference-format drafter directory")
     p.add_argument("--target", metavar="PATH", help="target model: directory, hub id or .gguf (default: target.path, "
                                                     "else the embedded SmolLM2); its weights are not read")
     p.add_argument("--data", metavar="JSONL", help="training data: regenerated conversations (messages) or tokenized "
                                                    "samples (input_ids); default: data.tokenized, else data.regenerated")
-    p.add_argument("--limit", type=_positive, default=1000, metavar="N", help="check the first N samples (default 1000)")
+    p.add_argument("--limit", type=positive_int, default=1000, metavar="N", help="check the first N samples (default 1000)")
     add_config_options(p)
 
 

@@ -24,16 +24,17 @@ def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, positive_int
+    from dflashkit.commands import (DRAFT_TOKENS_HELP, add_config_options, non_negative_float, positive_int,
+                                    probability)
 
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--drafter", metavar="DIR", help="reference-format drafter directory (needed unless --method ar)")
     p.add_argument("--method", choices=METHODS, default=None, help="default: dflash with a drafter, ar without")
-    p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default 32)")
-    p.add_argument("--top-k", type=int, default=TOP_K, help="DDTree candidates per slot (default: the node budget)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--budget", type=positive_int, default=32, help="DDTree node budget (default 32)")
+    p.add_argument("--top-k", type=positive_int, default=TOP_K, help="DDTree candidates per slot (default: the node budget)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")

@@ -139,13 +139,13 @@ def compare_sources(a: Any, b: Any, samples: list[tuple[str, list[int]]], layer_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import add_config_options, cosine, positive_int
 
     p.add_argument("a", help="reference source: a feature cache directory, or 'target[:device=..,dtype=..,path=..]'")
     p.add_argument("b", help="source to compare (same forms)")
     p.add_argument("--input", metavar="JSONL", help="tokenized samples when neither source is a cache (default: data.tokenized)")
-    p.add_argument("--limit", type=int, default=32, help="samples to compare (default 32)")
-    p.add_argument("--min-cosine", type=float, default=0.999, help="fail (exit 1) when a layer's mean cosine is below this")
+    p.add_argument("--limit", type=positive_int, default=32, help="samples to compare (default 32)")
+    p.add_argument("--min-cosine", type=cosine, default=0.999, help="fail (exit 1) when a layer's mean cosine is below this")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     add_config_options(p)
 

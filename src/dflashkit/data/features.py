@@ -434,11 +434,11 @@ class FeatureCache:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import add_config_options, positive_int
 
     p.add_argument("--input", metavar="JSONL", help="tokenized samples (default: data.tokenized)")
     p.add_argument("--out", metavar="DIR", help="feature directory (default: data.features)")
-    p.add_argument("--shard-size", type=int, default=1 << 16, help="tokens per shard (at most)")
+    p.add_argument("--shard-size", type=positive_int, default=1 << 16, help="tokens per shard (at most)")
     add_config_options(p)
 
 
@@ -453,8 +453,6 @@ def run(args: argparse.Namespace) -> int:
     src, out = args.input or cfg.data.tokenized, args.out or cfg.data.features
     if not src or not out:
         raise ValueError("extract needs an input (--input or data.tokenized=PATH) and an output (--out or data.features=DIR)")
-    if args.shard_size < 1:
-        raise ValueError(f"--shard-size must be >= 1, got {args.shard_size}")
     samples = load_tokenized(src)
     rank, world = _dist_rank_world()
     device = resolve_device(cfg.target.device)

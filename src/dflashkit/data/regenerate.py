@@ -400,16 +400,17 @@ def _ask_all(ask: Callable[[Conversation], tuple[dict, int]], pool: ThreadPoolEx
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options
+    from dflashkit.commands import add_config_options, non_negative_int, positive_float, positive_int
 
     p.add_argument("--out", metavar="JSONL", help="output file (default: data.regenerated)")
     p.add_argument("--backend", choices=["local", "http"], default="local",
                    help="local: Transformers generate on the target; http: an OpenAI-compatible server")
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="http back-end: base URL, ending in /v1")
     p.add_argument("--model", help="http back-end: model name (default: the first the server lists)")
-    p.add_argument("--concurrency", type=int, default=8, help="http back-end: requests in flight")
-    p.add_argument("--timeout", type=float, default=300.0, help="http back-end: seconds per request")
-    p.add_argument("--retries", type=int, default=5, help="http back-end: retries per request (backoff 1s, 2s, 4s...)")
+    p.add_argument("--concurrency", type=positive_int, default=8, help="http back-end: requests in flight")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="http back-end: seconds per request")
+    p.add_argument("--retries", type=non_negative_int, default=5,
+                   help="http back-end: retries per request (backoff 1s, 2s, 4s...)")
     p.add_argument("--overwrite", action="store_true",
                    help="start the output afresh (a run resumes only answers of the same prompts, target and settings)")
     add_config_options(p)
@@ -424,8 +425,6 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or d.regenerated
     if not out:
         raise ValueError("regenerate needs an output file: --out PATH or data.regenerated=PATH")
-    if args.concurrency < 1 or args.retries < 0 or args.timeout <= 0:
-        raise ValueError("--concurrency must be >= 1, --retries >= 0 and --timeout > 0")
     params = GenerationParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
                               thinking=d.thinking, seed=d.seed)
     if args.backend == "local":
