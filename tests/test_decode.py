@@ -578,13 +578,14 @@ def _lossy_target_tokens(logits, sampling, u):
     return out
 
 
-@pytest.mark.parametrize("method,lossy,cost_aware", [("dflash", False, False), ("ddtree", False, False),
-                                                     ("dflash", True, False), ("ddtree", False, True)])
-def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeypatch):
+@pytest.mark.parametrize("method,lossy,cost_aware,acceptance", [
+    ("dflash", False, False, "match"), ("ddtree", False, False, "match"), ("dflash", True, False, "match"),
+    ("dflash", False, False, "rejection"), ("ddtree", False, False, "rejection"), ("ddtree", False, True, "rejection")])
+def test_sampling_follows_target_distribution(method, lossy, cost_aware, acceptance, monkeypatch):
     """600 3-token samples from speculative decoding (with proposals that are often accepted)
     against the exact distribution of the target's own sampling: chi-square on the joint of the
-    2nd and 3rd tokens (decided by tree walks) and on each token's marginal. The lossy variant
-    proves that the test can fail."""
+    2nd and 3rd tokens (decided by tree walks) and on each token's marginal, under either
+    acceptance rule. The lossy variant proves that the test can fail."""
     if lossy:
         monkeypatch.setattr(round_mod, "target_tokens", _lossy_target_tokens)
     if cost_aware:  # the verified prefix chosen per round; every round drafts (skipping is plain sampling)
@@ -592,14 +593,15 @@ def test_sampling_follows_target_distribution(method, lossy, cost_aware, monkeyp
 
         monkeypatch.setattr(cost.Drafting, "choose", lambda self: True)
     target = make_tiny_target(num_layers=2, hidden=32, vocab=8, seed=5)
-    pvalues = sampling_pvalues(target, Engine, method, cost_aware)
+    pvalues = sampling_pvalues(target, Engine, method, cost_aware, acceptance=acceptance)
     if lossy:
         assert min(pvalues) < 1e-6
     else:
         assert min(pvalues) > 1e-3
 
 
-def sampling_pvalues(target: Target, make_engine, method: str, cost_aware: bool = False, peak: float = 4.0) -> list[float]:
+def sampling_pvalues(target: Target, make_engine, method: str, cost_aware: bool = False, peak: float = 4.0,
+                     acceptance: str = "rejection") -> list[float]:
     """Chi-square p-values of 600 sampled 3-token answers against the exact distribution (see
     test_sampling_follows_target_distribution); `target` has a vocabulary of 8, its LM head is
     scaled by `peak` (a distribution peaked but far from deterministic)."""
@@ -617,7 +619,7 @@ def sampling_pvalues(target: Target, make_engine, method: str, cost_aware: bool 
     accepted = 0
     for s in range(n):
         g = generate(eng, ids, max_new_tokens=steps, method=method, budget=6, top_k=2, sampling=Sampling(1.0, 1.0, seed=s),
-                     cost_aware=cost_aware)
+                     cost_aware=cost_aware, acceptance=acceptance)
         counts[(g.tokens[0] * V + g.tokens[1]) * V + g.tokens[2]] += 1
         accepted += sum(t - 1 for t in g.accept_lengths)
     assert accepted > n // 3, "the test needs drafts to be accepted often"

@@ -9,7 +9,7 @@ from datahelpers import one_thread  # noqa: F401
 from test_decode import _chi2_pvalue
 
 from dflashkit.decode import accept
-from dflashkit.decode.accept import Settings, expected_acceptance, rejection_walk, sampled_draft, uniforms
+from dflashkit.decode.accept import Settings, chain_walk, expected_acceptance, sampled_draft, tree_walk, uniforms
 from dflashkit.decode.generation import Sampling, distribution, draw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,9 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
         draft = sampled_draft(model.drafter(last, before), last, budget, None, settings, seeds)
         nodes = torch.cat([last[:, None], draft.trees.tokens], 1)  # [N, m+1]: the bonus, then the nodes
         parents = torch.cat([before[:, None], nodes.gather(1, draft.trees.parents)], 1)
-        walked = rejection_walk(draft.trees, draft, model.target(nodes, parents), settings, seeds, budget is None)
+        logits = model.target(nodes, parents)
+        walked = chain_walk(draft.trees.tokens, draft.q, logits, settings, seeds) if budget is None else \
+            tree_walk(draft.trees, draft.q, draft.widths, logits, settings, seeds)
         first = walked.accepted.double().mean().item() if first is None else first
         for j in range(walked.new.shape[1]):
             put = (j <= walked.accepted) & (count + j < STEPS)

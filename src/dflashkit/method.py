@@ -13,6 +13,14 @@ from typing import Literal, get_args
 Kind = Literal["ar", "dflash", "ddtree"]
 METHODS: tuple[str, ...] = get_args(Kind)
 
+# How a sampled round accepts drafted tokens (greedy rounds accept the target's argmax either way):
+# 'rejection' draws the draft from the drafter's distribution and accepts with min(1, p/q)
+# (decode/accept.py); 'match' drafts the drafter's most likely tokens and accepts one when it
+# equals the target's own sample (what an engine that verifies without the drafter's
+# probabilities gets). Both are exact (docs/conventions.md).
+Acceptance = Literal["match", "rejection"]
+ACCEPTANCES: tuple[str, ...] = get_args(Acceptance)
+
 # DDTree's candidates per slot, the default of decoding, `generate`, `eval` and `serve`. None: as
 # many as the tree's node budget, so that `best_first` picks the budget's best prefixes among all
 # of them (fewer leave out likely siblings where the drafter is unsure: with SmolLM2's bundled
@@ -25,15 +33,19 @@ TOP_K: int | None = None
 class Method:
     """'ar': no draft (a round verifies the bonus token alone); 'dflash': one chain of the draft
     block's argmax tokens; 'ddtree': a best-first tree of `budget` nodes from the top-`top_k`
-    tokens of each slot (None: `budget` of them)."""
+    tokens of each slot (None: `budget` of them). acceptance: how its sampled rounds accept
+    (`Acceptance`)."""
 
     kind: Kind = "dflash"
     budget: int | None = None
     top_k: int | None = TOP_K
+    acceptance: Acceptance = "rejection"
 
     def __post_init__(self) -> None:
         if self.kind not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.kind!r}")
+        if self.acceptance not in ACCEPTANCES:
+            raise ValueError(f"acceptance: expected one of {ACCEPTANCES}, got {self.acceptance!r}")
         if self.kind == "ddtree" and (self.budget is None or self.budget < 1):
             raise ValueError(f"ddtree needs a node budget >= 1, got {self.budget}")
         top_k = self.top_k
@@ -42,12 +54,15 @@ class Method:
                              f"got {top_k!r}")
 
     @classmethod
-    def of(cls, method: str | Method, budget: int | None = None, top_k: int | None = TOP_K) -> Method:
+    def of(cls, method: str | Method, budget: int | None = None, top_k: int | None = TOP_K,
+           acceptance: str = "rejection") -> Method:
         """The method a caller names: a `Method` as it is, or its kind with DDTree's budget and
-        candidates (ignored by the other kinds)."""
+        candidates (ignored by the other kinds) and the acceptance rule of its sampled rounds."""
         if isinstance(method, Method):
             return method
-        return cls(method, budget, top_k) if method == "ddtree" else cls(method)  # type: ignore[arg-type]
+        if method == "ddtree":
+            return cls(method, budget, top_k, acceptance)  # type: ignore[arg-type]
+        return cls(method, acceptance=acceptance)  # type: ignore[arg-type]
 
     @property
     def drafts(self) -> bool:

@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from dflashkit.decode.generation import Sampling, distribution, draw
-from dflashkit.decode.tree import Trees, Walk, best_first, candidates, chains, verification
+from dflashkit.decode.tree import Trees, Walk, best_first, candidates, chains, verification, walk
+from dflashkit.method import Method
 
-Acceptance = Literal["match", "rejection"]
-ACCEPTANCES: tuple[str, ...] = get_args(Acceptance)
+if TYPE_CHECKING:
+    from dflashkit.decode.engine import Draft
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -230,10 +232,11 @@ def tree_walk(trees: Trees, q: Tensor, widths: list[int], logits: Tensor, settin
     v = uniforms(seeds, _RESIDUAL, (len(widths) + 1,))
     zero = torch.zeros(b, dtype=torch.long, device=dev)
     at = _Node(zero, torch.ones(b, dtype=torch.bool, device=dev), zero, zero.new_zeros(b, m + 1), zero.new_zeros(b, m + 1))
-    for d in range(min(len(widths), m) + 1):  # a path is at most m nodes deep
+    deepest = min(len(widths), m)  # a path is at most m nodes deep
+    for d in range(deepest + 1):
         p = distribution(logits.gather(1, at.node[:, None, None].expand(-1, 1, logits.shape[2]))[:, 0], *settings)
         chosen = torch.full((b,), -1, dtype=torch.long, device=dev)
-        if d < len(widths) and widths[d]:
+        if d < deepest and widths[d]:
             kids = real & (trees.parents == at.node[:, None]) & at.alive[:, None]
             chosen, p = _recursive_rejection(p, q[:, d], kids, trees.tokens, u[:, d], widths[d])
         at = _step(at, d, chosen, trees.tokens, draw(p, v[:, d]))
@@ -249,14 +252,57 @@ def _step(at: _Node, d: int, chosen: Tensor, tokens: Tensor, drawn: Tensor) -> _
     new = torch.where((hit | stop)[:, None], at.new.scatter(1, torch.full_like(at.node[:, None], d), token[:, None]),
                       at.new)
     node = torch.where(hit, chosen + 1, at.node)
-    path = torch.where(hit[:, None], at.path.scatter(1, torch.full_like(node[:, None], d + 1), node[:, None]), at.path)
+    slot = min(d + 1, at.path.shape[1] - 1)  # (past the deepest node no row moves)
+    path = torch.where(hit[:, None], at.path.scatter(1, torch.full_like(node[:, None], slot), node[:, None]), at.path)
     return _Node(node, hit, at.accepted + hit.long(), path, new)
 
 
-def rejection_walk(trees: Trees, draft: SampledDraft, logits: Tensor, settings: Settings, seeds: Tensor,
-                   chain: bool) -> Walk:
-    """The rejection rule's acceptance walk of `trees` (the sampled draft's, or a prefix of them
-    that cost-aware decoding verified): `chain_walk` or `tree_walk`."""
-    if chain:
-        return chain_walk(trees.tokens, draft.q, logits, settings, seeds)
-    return tree_walk(trees, draft.q, draft.widths, logits, settings, seeds)
+@dataclass
+class Rejection:
+    """A round under the rejection rule: its rows' settings and seeds, which rows decode
+    greedily (their trees and walk are the match rule's: exact at temperature 0), and, once the
+    draft is made, the drafter's distributions and the walk's bounds (`SampledDraft`)."""
+
+    settings: Settings
+    seeds: Tensor
+    greedy: Tensor | None  # [b] bool; None: every row samples
+    sampled: SampledDraft | None = None
+
+    @classmethod
+    def of(cls, method: Method, samplings: Sequence[Sampling], gens: Sequence[random.Random | None],
+           device: torch.device) -> Rejection | None:
+        """The round's rejection state, or None where the match rule decides it (the method's
+        rule, or no row samples)."""
+        greedy = [s.temperature == 0 for s in samplings]
+        if method.acceptance != "rejection" or all(greedy):
+            return None
+        mask = torch.tensor(greedy, device=device) if any(greedy) else None
+        return cls(Settings.of(samplings, device), round_seeds(gens, device), mask)
+
+    def draft(self, draft: Draft, bonus: Tensor, method: Method) -> Draft:
+        """The engine's draft with each sampling row's tree drawn from the drafter's
+        distributions (`sampled_draft`); greedy rows keep theirs."""
+        new = sampled_draft(draft.logits, bonus, method.tree_budget, method.top_k, self.settings, self.seeds)
+        if self.greedy is not None:
+            keep = self.greedy[:, None]
+            trees = Trees(*(torch.where(keep, g, s) for g, s in zip(draft.trees, new.trees)))
+            widths = _widths(trees, draft.logits.shape[1]) if not method.chain else new.widths
+            new = SampledDraft(trees, *verification(bonus, trees, chain=method.chain), new.q, widths)
+        self.sampled = new
+        return draft._replace(trees=new.trees, tokens=new.tokens, depths=new.depths, ancestors=new.ancestors)
+
+    def walk(self, trees: Trees, anc: Tensor, logits: Tensor, chain: bool) -> Walk:
+        """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that
+        cost-aware decoding verified) over the target's logits [b, m+1, V]: `chain_walk` or
+        `tree_walk`; greedy rows walk by the match rule."""
+        assert self.sampled is not None, "Rejection.walk follows Rejection.draft"
+        if chain:
+            walked = chain_walk(trees.tokens, self.sampled.q, logits, self.settings, self.seeds)
+        else:
+            walked = tree_walk(trees, self.sampled.q, self.sampled.widths, logits, self.settings, self.seeds)
+        if self.greedy is None:
+            return walked
+        matched = walk(trees, anc, logits.argmax(-1), chain)
+        keep = self.greedy[:, None]
+        return Walk(torch.where(self.greedy, matched.accepted, walked.accepted),
+                    torch.where(keep, matched.path, walked.path), torch.where(keep, matched.new, walked.new))

@@ -263,6 +263,7 @@ def decode_stream(
     method: str | Method = "dflash",
     budget: int | None = None,
     top_k: int | None = TOP_K,
+    acceptance: str = "rejection",
     sampling: Sampling | Sequence[Sampling] | None = None,
     stop_ids: set[int] | frozenset[int] | Sequence[set[int] | frozenset[int]] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
@@ -290,7 +291,9 @@ def decode_stream(
 
     method: a `Method`, or its kind 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens),
     'ddtree' (a tree of `budget` nodes from the top-`top_k` tokens of each slot; None: `budget` of
-    them). Unless profiling or recording, a
+    them). acceptance: how sampled rounds accept ('rejection': drafts drawn from the drafter's
+    distributions, `decode/accept.py`; 'match'); ignored where `method` is a `Method`. Unless
+    profiling or recording, a
     round whose tokens have not reached the host yet is read a round late, the next one already
     running on the device (except a cost-aware round that read its draft's scores, and, with
     `admit`, on an engine without fixed rows): a row's end is then seen a round after it, and
@@ -301,7 +304,7 @@ def decode_stream(
     the sizes chosen (0: no draft) go to `Generation.draft_sizes`.
     record_top: keep, per output token, the target's top-`record_top` ids and logits of the pass
     that chose it (`Generation.top`; one more host transfer per round)."""
-    method = Method.of(method, budget, top_k)
+    method = Method.of(method, budget, top_k, acceptance)
     check_request(method, 1, engine.drafter)
     stream = _Stream(engine, method, cancelled, record_top, profile)
     yield stream.start(_requests(prompts, max_new_tokens, sampling, stop_ids), rows)
@@ -392,11 +395,13 @@ class DecodingGenerator:
     one chunk per round; each request keeps its own sampling parameters, seed and token limit.
     Speculative methods add their acceptance statistics to the usage block. rows: the server's
     largest batch (`decode_stream`'s `rows`: one batch size, one set of CUDA graphs). cost_aware:
-    `decode_stream`'s (rounds draft only while drafting pays at the batch's size)."""
+    `decode_stream`'s (rounds draft only while drafting pays at the batch's size); acceptance:
+    `decode_stream`'s."""
 
     def __init__(self, engine: Engine, *, method: str | Method = "dflash", budget: int | None = None,
-                 top_k: int | None = TOP_K, rows: int | None = None, cost_aware: bool = False) -> None:
-        self.method = Method.of(method, budget, top_k)
+                 top_k: int | None = TOP_K, rows: int | None = None, cost_aware: bool = False,
+                 acceptance: str = "rejection") -> None:
+        self.method = Method.of(method, budget, top_k, acceptance)
         check_request(self.method, 1, engine.drafter)
         self.engine, self.rows, self.cost_aware = engine, rows, cost_aware
 

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from dflashkit.decode import cost
+from dflashkit.decode.accept import Rejection
 from dflashkit.decode.cache import HostCopy, to_device
 from dflashkit.decode.engine import Draft, Engine
 from dflashkit.decode.generation import Generation, Sampling, target_tokens
@@ -198,15 +199,20 @@ def speculative_round(engine: Engine, batch: Batch, method: Method, sizing: cost
     drafted = method.drafts and (sizing is None or sizing.drafting.choose())
     scored = sizing is not None and sizing.reads_scores()  # cost-aware: the tree's scores are read
     draft = engine.draft(batch.bonus, method.tree_budget, method.top_k, scored) if drafted else None
+    samplings = [row.request.sampling if row else GREEDY for row in batch.rows]
+    gens = [row.gen if row else None for row in batch.rows]
+    rejection = Rejection.of(method, samplings, gens, batch.bonus.device) if drafted else None
+    if rejection is not None:  # the sampling rows' trees: draws of the drafter's distributions
+        draft = rejection.draft(draft, batch.bonus, method)
     stages.mark("draft")
     trees, tokens, depths, anc = verified(draft, batch, sizing)
     stages.mark("tree")
     logits = engine.verify(tokens, depths, anc)  # [b, q, V]
-    picked = row_tokens(logits, [row.request.sampling if row else GREEDY for row in batch.rows],
-                        [row.gen if row else None for row in batch.rows])  # [b, q]
     stages.mark("verify")
     chain = method.chain or not drafted
-    walked = walk(trees, anc, picked, chain)  # accept, on the device: the next bonus stays there
+    # accept, on the device: the next bonus stays there
+    walked = rejection.walk(trees, anc, logits, chain) if rejection is not None else \
+        walk(trees, anc, row_tokens(logits, samplings, gens), chain)
     read = HostCopy(torch.cat([walked.accepted[:, None], walked.path, walked.new], 1))  # the round's one transfer
     commit(engine, walked, batch, method, drafted, chain)
     batch.bonus = walked.bonus
