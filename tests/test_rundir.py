@@ -14,7 +14,7 @@ import torch
 from datahelpers import save_tiny_target
 from dflashkit.checkpoint import temp_path
 from dflashkit.cli import main as cli_main
-from dflashkit.rundir import MANIFEST, output_directory, output_file, replace_dir
+from dflashkit.rundir import MANIFEST, output_directory, output_path, replace_dir
 from train_job import run_job
 
 
@@ -70,15 +70,17 @@ def test_a_second_run_into_a_held_output_fails_at_once_naming_the_holder(tiny_da
         held, argv = output_directory(out, "extract"), ["--input", str(root / "tok.jsonl"), "--out", str(out)]
     elif command == "tokenize":
         out = tmp_path / "tok.jsonl"
-        held, argv = output_file(out, "tokenize"), ["--input", str(root / "answers.jsonl"), "--out", str(out)]
+        held, argv = output_path(out, "tokenize"), ["--input", str(root / "answers.jsonl"), "--out", str(out)]
     else:
-        held, argv, overrides = output_directory(out, "export"), [str(_bundled()), "--out", str(out)], []
+        held, argv, overrides = output_path(out, "export"), [str(_bundled()), "--out", str(out)], []
     with held:
         rc = cli_main([command, *argv, *overrides])
     err = capsys.readouterr().err
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
     assert f"{out} is in use by `dflashkit {command}` (pid {os.getpid()})" in err, err
     assert cli_main([command, *argv, *overrides]) == 0, capsys.readouterr().err  # free again
+    if command == "export":  # the lock is beside what is handed on, not in it
+        assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
 def _bundled():

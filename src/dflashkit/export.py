@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from dflashkit.checkpoint import (CONFIG, WEIGHTS, CheckpointError, atomic_save, atomic_write_bytes,
                                   atomic_write_json, load_drafter, save_drafter)
 from dflashkit.drafter import SLIDING, DFlashDrafter, DrafterConfig
-from dflashkit.rundir import output_directory
+from dflashkit.rundir import output_path
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                         "`vllm serve TARGET --speculative-config '{\"method\": \"dflash\", \"model\": \"%s\", ...}'`", out)
     elif args.verifier is not None:
         raise ValueError("--verifier applies to --format speculators only")
-    with output_directory(out, "export"):
+    with output_path(out, "export"):  # nothing of ours inside what is handed on
         export(drafter, out, fmt, **kw)
     c = drafter.config
     print(f"exported {args.drafter} -> {out} ({fmt}): {c.num_hidden_layers} layers, taps {c.target_layer_ids}, "

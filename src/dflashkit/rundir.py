@@ -120,13 +120,16 @@ def output_directory(path: str | Path, command: str, *, temp_dirs: Sequence[str]
 
 
 @contextmanager
-def output_file(path: str | Path, command: str) -> Iterator[Path]:
-    """Lock the output file `path` (`.NAME.lock` beside it: the file itself is replaced by a
-    rename) and remove the temp files of it that killed writers left."""
+def output_path(path: str | Path, command: str) -> Iterator[Path]:
+    """Lock the output `path`, a file or a directory that is handed on as it is (an exported
+    drafter), with `.NAME.lock` beside it, not in it; remove the temp files that killed writers
+    left of it (and in it, for a directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold_lock(path.with_name(f".{path.name}.lock"), command, str(path)):
         remove_stale_temp_files(path.parent, path.name)
+        if path.is_dir() and not path.is_symlink():
+            remove_stale_temp_files(path)
         yield path
 
 

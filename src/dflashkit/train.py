@@ -1056,7 +1056,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from <train.output_dir>/latest.json")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this step checkpoint directory")
     p.add_argument("--overwrite", action="store_true",
-                   help="start afresh in an output directory that holds an earlier run (its files are removed)")
+                   help="start afresh in an output directory that holds an earlier run: the files dflashkit wrote "
+                        "there are removed (never another file, never through a link)")
     p.add_argument("--auto-resume", action="store_true",
                    help="continue from latest.json when the output directory has one, else start afresh: one "
                         "command for a job that a scheduler may pre-empt and run again")

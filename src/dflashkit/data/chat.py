@@ -358,13 +358,13 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from dflashkit.commands import config_from_args
-    from dflashkit.rundir import output_file
+    from dflashkit.rundir import output_path
 
     cfg = config_from_args(args)
     src, out = args.input or cfg.data.regenerated, args.out or cfg.data.tokenized
     if not src or not out:
         raise ValueError("tokenize needs an input (--input or data.regenerated=PATH) and an output (--out or data.tokenized=PATH)")
-    with output_file(out, "tokenize"):
+    with output_path(out, "tokenize"):
         tok = load_tokenizer(cfg.target.path, cfg.target.gguf_file)
         stats = tokenize_file(src, tok, out, max_length=cfg.data.max_length, thinking=cfg.data.thinking,
                               limit=cfg.data.limit)
