@@ -409,8 +409,10 @@ def _best(v: Any) -> bool:
 def _scheduler(v: Any) -> bool:
     def rates(x: Any) -> bool:
         return isinstance(x, list) and all(_is_number(r) for r in x)
+    # lr_lambdas: None per group for plain functions; anything else would be set on the schedule's functions
     return (isinstance(v, dict) and _count(-1)(v.get("last_epoch"))
-            and all(rates(v[k]) for k in ("base_lrs", "_last_lr") if k in v))
+            and all(rates(v[k]) for k in ("base_lrs", "_last_lr") if k in v)
+            and ("lr_lambdas" not in v or (isinstance(v["lr_lambdas"], list) and all(x is None for x in v["lr_lambdas"]))))
 
 
 def _optimizer_entry(v: Any) -> bool:
@@ -439,13 +441,10 @@ def load_training_state(path: str | Path) -> dict[str, Any] | None:
     f = Path(path) / TRAINING_STATE
     if not f.is_file():
         return None
-    import pickle
-
     verify_file(f)
     try:
         state = torch.load(f, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, ImportError, TypeError,
-            IndexError, KeyError, OverflowError, MemoryError) as e:
+    except Exception as e:  # a damaged archive fails in many ways (UnpicklingError, OSError from a seek, ...)
         raise CheckpointError(f"{f}: not a training state this tool can load safely (tensors and plain data only): "
                               f"{refusal_reason(e)}") from None
     missing = [k for k in TRAINING_STATE_VALUES if not isinstance(state, dict) or k not in state]

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils import get_total_norm
 
-from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, load_drafter,
+from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, complete_lines, load_drafter,
                                   load_training_state, save_drafter, target_problems, temp_path)
 from dflashkit import versions
 from dflashkit.config import dump_config
@@ -523,6 +523,12 @@ class Trainer:
         missing = [n for n in self.names if n not in state["params"]]
         if missing:
             raise ValueError(f"training state lacks parameters {missing[:4]}: it belongs to another drafter architecture")
+        for name, m in zip(self.names, self.master):  # moments have their parameter's shape; a step count none
+            moments = [v for v in (state["optimizer"].get(name) or {}).values() if torch.is_tensor(v) and v.dim()]
+            shapes = {tuple(t.shape) for t in [state["params"][name], *moments]}
+            if shapes != {tuple(m.shape)}:
+                raise ValueError(f"training state: parameter {name} or its optimizer state has shape(s) {sorted(shapes)}, "
+                                 f"this drafter's is {tuple(m.shape)}: it belongs to another drafter architecture")
         for name, m in zip(self.names, self.master):
             m.copy_(like(state["params"][name].to(m.dtype), m))
         sd = self.optimizer.state_dict()
@@ -730,8 +736,8 @@ class MetricsLog:
         if not enabled:
             return
         if start_step and self.path.is_file():  # drop what was logged after the checkpoint we resume from
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
-            atomic_write_bytes(self.path, "".join(ln + "\n" for ln in keep).encode())
+            keep = [line for line, rec in read_metrics(self.path) if rec["step"] <= start_step]
+            atomic_write_bytes(self.path, b"".join(keep))
         elif not start_step:
             self.path.unlink(missing_ok=True)
         if tcfg.tensorboard:
@@ -768,6 +774,26 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def read_metrics(path: Path) -> list[tuple[bytes, dict[str, Any]]]:
+    """(line, record) of every record of metrics.jsonl, a torn last line (a kill during its write)
+    cut off the file; a record that is not a JSON object with an integer step is an error naming
+    its line."""
+    records = []
+    with open(path, "r+b") as f:
+        for lineno, line in complete_lines(f, path):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                rec = None
+            if not isinstance(rec, dict) or type(rec.get("step")) is not int:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with an integer 'step' (a metrics record); "
+                                 "fix or remove the line, or start afresh with --overwrite")
+            records.append((line, rec))
+    return records
+
+
 def plot_curves(metrics: Path, png: Path) -> None:
     """Loss, accuracy and tau_sim against the step, from metrics.jsonl."""
     import matplotlib
@@ -775,7 +801,7 @@ def plot_curves(metrics: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    rows = [rec for _, rec in read_metrics(metrics)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for kind, style in (("train", "-"), ("eval", "o-")):
         r = [x for x in rows if x["kind"] == kind]

@@ -293,7 +293,7 @@ def read_manifest(mpath: Path) -> dict[str, Any]:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "top level"
-        raise ValueError(f"{mpath}: field '{where}': {err['msg']} (got {str(err.get('input'))[:80]})") from None
+        raise ValueError(f"{mpath}: field '{where}': {err['msg']} (got {repr(err.get('input'))[:80]})") from None
     start = 0
     for k, s in enumerate(m.shards):
         if s.first_sample != start:
