@@ -42,8 +42,9 @@ def _held_share(target: Any) -> float:
     return local / sum(p.numel() for p in target.layers.parameters())
 
 
-def features(rank: int, dirs: dict[str, str]) -> dict[str, Any]:
-    """Sharded in place (targets handed in) and loaded sharded (rank 0 scatters), against the whole target."""
+def features(rank: int, path: str) -> tuple[dict[str, Any], Any, Any]:
+    """Sharded in place (targets handed in) and loaded sharded from `path` (rank 0 scatters),
+    against the whole target; also returns the loaded sharded target and the whole one."""
     from dflashkit.parallel import load_sharded_target, shard_target
     from dflashkit.target import load_target
 
@@ -51,27 +52,23 @@ def features(rank: int, dirs: dict[str, str]) -> dict[str, Any]:
     for name, make in TARGETS.items():
         sharded = shard_target(make(), torch.device("cpu"))
         out[f"handed/{name}"] = {"error": _max_error(sharded, make(), rank), "share": _held_share(sharded)}
-    for name, path in dirs.items():
-        sharded = load_sharded_target(path, gguf_file=None, dtype="auto", device=torch.device("cpu"))
-        whole = load_target(path)
-        tied = sharded.model.get_output_embeddings().weight is sharded.model.get_input_embeddings().weight
-        out[f"loaded/{name}"] = {"error": _max_error(sharded, whole, rank), "share": _held_share(sharded),
-                                 "tied": tied, "head_equal": bool(torch.equal(sharded.model.get_output_embeddings().weight,
-                                                                              whole.model.get_output_embeddings().weight))}
-    return out
+    sharded = load_sharded_target(path, gguf_file=None, dtype="auto", device=torch.device("cpu"))
+    whole = load_target(path)
+    head, embed = sharded.model.get_output_embeddings().weight, sharded.model.get_input_embeddings().weight
+    out["loaded"] = {"error": _max_error(sharded, whole, rank), "share": _held_share(sharded), "tied": head is embed,
+                     "head_equal": bool(torch.equal(head, whole.model.get_output_embeddings().weight))}
+    return out, sharded, whole
 
 
 def extract_samples() -> list[Any]:
     return tiny_samples(24, seed=1)
 
 
-def extract(path: str, out: str) -> None:
+def extract(target: Any, out: Path, rank: int | None = None, world: int | None = None) -> None:
     from dflashkit.data.features import extract_features
-    from dflashkit.parallel import load_sharded_target
 
-    target = load_sharded_target(path, gguf_file=None, dtype="auto", device=torch.device("cpu"))
-    extract_features(target, extract_samples(), LAYERS, out, dtype="float32",
-                     batch_size=3, shard_size=EXTRACT_SHARD_TOKENS)
+    extract_features(target, extract_samples(), LAYERS, out, dtype="float32", batch_size=3,
+                     shard_size=EXTRACT_SHARD_TOKENS, rank=rank, world=world)
 
 
 def train(work: Path, name: str, parallel: str, resume: str | None = None, tag: str = "") -> None:
@@ -83,10 +80,12 @@ def train(work: Path, name: str, parallel: str, resume: str | None = None, tag: 
     run_train(cfg, target=TARGETS[name](), samples=tiny_samples(), resume=resume)
 
 
-def run_rank(rank: int, world: int, port: int, work: str, dirs: dict[str, str], trained: list[str],
+def run_rank(rank: int, world: int, port: int, work: str, path: str, trained: list[str], resume: bool,
              local_world: int) -> None:
-    """Rank `rank` of `world`: features, extraction (of dirs['dense']) and training of `trained`
-    targets (sharded within groups of `local_world` ranks, as on nodes of that many GPUs)."""
+    """Rank `rank` of `world`: features and extraction of the target saved at `path` (rank 0 also
+    extracts with the whole target, alone, into `one/`), then training of the `trained` targets,
+    replicated and sharded (within groups of `local_world` ranks, as on nodes of that many GPUs),
+    and with `resume` the sharded dense run resumed from its step 10."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -94,13 +93,15 @@ def run_rank(rank: int, world: int, port: int, work: str, dirs: dict[str, str], 
     torch.set_num_threads(1)
     root = Path(work)
     try:
-        result = features(rank, dirs)
-        extract(dirs["dense"], str(root / "extract"))
+        result, sharded, whole = features(rank, path)
+        extract(sharded, root / "extract")
+        if rank == 0:
+            extract(whole, root / "one", rank=0, world=1)
         os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
         for name in trained:
             train(root, name, "replicate")
             train(root, name, "shard")
-        if "dense" in trained:  # resumed at step 10 of the sharded run: steps 11..20 again
+        if resume:
             train(root, "dense", "shard", str(root / "train-dense-shard" / "checkpoints" / "step-00000010"), "-resumed")
         (root / f"rank{rank}.json").write_text(json.dumps(result))
     finally:

@@ -60,7 +60,9 @@ def target_mesh(device: torch.device) -> Any:
     return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
 
 
-def _shard_layers(target: Target, mesh: Any) -> None:
+def shard_layers(target: Target, mesh: Any) -> None:
+    """Each decoder layer an FSDP2 unit over `mesh` (moved to the mesh's device and cut there, one
+    layer at a time), the next layer's gather issued when a layer starts."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in target.layers:
@@ -81,8 +83,8 @@ def shard_target(target: Target, device: torch.device) -> Target:
     if world_size() == 1 or target.sharded:
         return target
     init_process_group(device)
-    target.model.to(device)
-    _shard_layers(target, target_mesh(device))
+    shard_layers(target, target_mesh(device))
+    target.model.to(device)  # the embedding, final norm, LM head and buffers: whole
     return target
 
 
@@ -101,7 +103,7 @@ def load_sharded_target(path: str | None, *, gguf_file: str | None, dtype: str, 
         full = load_target(path, gguf_file=gguf_file, dtype=dtype, device="cpu")
     dist.barrier()
     target = load_target(path, gguf_file=gguf_file, dtype=dtype, device="cpu", weights=False)
-    _shard_layers(target, target_mesh(device))
+    shard_layers(target, target_mesh(device))
     target.model.to_empty(device=device)
     if getattr(target.config, "tie_word_embeddings", False):
         target.model.tie_weights()
