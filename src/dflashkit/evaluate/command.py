@@ -21,7 +21,8 @@ from dflashkit.rundir import output_directory
 
 log = logging.getLogger("dflashkit.evaluate")
 
-ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "seed", "engine", "draft_tokens")
+ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "seed", "engine", "draft_tokens",
+               "repeats")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
     g.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
+    g.add_argument("--repeats", type=positive_int, default=None, metavar="N",
+                   help="turns of every method per prompt, each timed by its fastest (default 1): speed-ups "
+                   "steadier on a machine with other load, at N times the decoding")
     g.add_argument("--cost-aware", action="store_true", help="also run every method cost-aware ('+cost' rows): "
                    "the draft prefix verified each round is chosen from the measured verification cost")
     g.add_argument("--resume", action="store_true", help="suites: reuse those an earlier run of the same command "
@@ -156,7 +160,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
     drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
     sampling = inputs.sampling
     kw = dict(**settings, sampling=sampling, engine=_pick(args.engine, "auto"), cost_aware=args.cost_aware,
-              draft_tokens=args.draft_tokens,
+              draft_tokens=args.draft_tokens, repeats=_pick(args.repeats, 1),
               stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
     if inputs.convs is not None:
         if args.resume:
@@ -172,7 +176,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
             for s in inputs.suites], keep=keep, reuse=args.resume, **kw)
         settings.update(suites=[s.name for s in inputs.suites], limit=inputs.limit)
     settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                    draft_tokens=args.draft_tokens)  # None: each drafter's block_size - 1
+                    draft_tokens=args.draft_tokens, repeats=kw["repeats"])  # None: each drafter's block_size - 1
     return report
 
 
