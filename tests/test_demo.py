@@ -30,3 +30,17 @@ def test_bad_fine_tuning_length_is_refused_before_any_work(tmp_path, argv, messa
     with pytest.raises(ValueError, match=message):
         demo.run(parse(*argv, "--out", str(tmp_path / "demo")))
     assert not (tmp_path / "demo").exists()  # refused before the output directory is made
+
+
+def test_a_second_demo_into_the_same_out_is_refused_at_once(tmp_path, monkeypatch):
+    import dflashkit.target as target_mod
+    from dflashkit.rundir import output_directory
+
+    def no_model(*a, **k):
+        raise AssertionError("a refused demo must load no model")
+
+    monkeypatch.setattr(target_mod, "load_target", no_model)
+    out = tmp_path / "demo"
+    with output_directory(out, "demo"):  # the first demo, still running
+        with pytest.raises(RuntimeError, match=r"is in use by `dflashkit demo` \(pid \d+\)"):
+            demo.run(parse("--out", str(out)))

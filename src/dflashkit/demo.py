@@ -251,17 +251,26 @@ def evaluate_on_suites(target: Any, drafters: dict[str, Any], plan: Plan, report
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflashkit.checkpoint import load_drafter
     from dflashkit.commands import config_from_args, resolve_device
+    from dflashkit.rundir import output_directory
+
+    cfg = config_from_args(args)
+    device = resolve_device(cfg.target.device)
+    plan = plan_from_args(args, device.startswith("cuda"))
+    # Locked for the run: a second demo into the same --out is refused at once (each stage's own
+    # directory is locked by the stage as well).
+    with output_directory(args.out, "demo", temp_dirs=("report", "report/suites")):
+        return run_stages(cfg, plan, device, Path(args.out))
+
+
+def run_stages(cfg: Any, plan: Plan, device: str, out: Path) -> int:
+    """The demo's stages into `out`, each skipped where an earlier run finished it."""
+    from dflashkit.checkpoint import load_drafter
     from dflashkit.data.features import FeatureCache
     from dflashkit.evaluate import check_partings, evaluate_offline, heldout_items, markdown, training_tau_sim, write_report
     from dflashkit.target import load_target
 
-    cfg = config_from_args(args)
-    device = resolve_device(cfg.target.device)
     cpu = not device.startswith("cuda")
-    plan = plan_from_args(args, not cpu)
-    out = Path(args.out)
     log_to_file(out)
     stages = Stages(stage_estimates(plan, cpu))
     log.info("demo plan (%s): %s", device, plan)

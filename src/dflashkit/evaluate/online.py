@@ -168,12 +168,13 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
     labels = method_labels(methods, budgets)
     if cost_aware:
         labels += [(f"{lab}+cost", method, budget) for lab, method, budget in labels]
+    base_engine = make_engine(target, None, engine)
     engines = {n: make_engine(target, d, engine, draft_tokens) for n, d in drafters.items()}
-    jobs = [Job("ar", make_engine(target, None, engine), "ar")] + [
+    jobs = [Job("ar", base_engine, "ar")] + [
         Job(f"{name}/{lab}", eng, method, budget, lab.endswith("+cost"))
         for name, eng in engines.items() for lab, method, budget in labels]
     if target.device.type == "cuda" and prompts:  # (CUDA graphs are captured and kernels compiled on first use)
-        warm_up([jobs[0].engine, *engines.values()], labels, [pr.ids for pr in prompts],
+        warm_up([base_engine, *engines.values()], labels, [pr.ids for pr in prompts],
                 dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=sampling, stop_ids=stop_ids))
     exact_fp32 = exact_logits(target)
     runs = {j.key: new_run() for j in jobs}
