@@ -12,7 +12,7 @@ from dflashkit.data.chat import prompt_ids
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import candidates
-from dflashkit.method import METHODS, TOP_K, Method
+from dflashkit.method import ACCEPTANCES, METHODS, TOP_K, Method
 
 
 def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=probability, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--acceptance", choices=ACCEPTANCES, default="rejection",
+                   help="how sampled rounds accept drafted tokens: rejection (drafts drawn from the drafter, accepted "
+                        "with min(1, p/q); default) or match (the drafter's likeliest tokens, accepted when equal to "
+                        "the target's sample); both exact")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
@@ -51,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from dflashkit.target import load_target
     from dflashkit.vocab import stop_token_ids
 
-    method = Method.of(args.method or ("dflash" if args.drafter else "ar"), args.budget, args.top_k)
+    method = Method.of(args.method or ("dflash" if args.drafter else "ar"), args.budget, args.top_k, args.acceptance)
     if method.drafts and not args.drafter:
         raise ValueError(f"--method {method.kind} needs --drafter DIR (a reference-format drafter directory)")
     if not method.drafts and args.draft_tokens is not None:
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         label += f" (budget {method.budget}, top-{candidates(method.budget, method.top_k, target.vocab_size)})"
     if args.draft_tokens is not None:
         label += f", {args.draft_tokens} draft tokens a round"
+    if method.drafts and sampling.temperature > 0:
+        label += f", {method.acceptance} acceptance"
     print(f"\n[{label}] {s['completion_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
           f"{tps:.1f} tokens/s, prefill {s['prefill_seconds']:.2f}s, finish: {s['finish_reason']}"
           + (f", mean draft tokens verified {s['mean_draft_size']}" if "mean_draft_size" in s else ""))

@@ -182,7 +182,7 @@ def chain_walk(tokens: Tensor, q: Tensor, logits: Tensor, settings: Settings, se
     at = accepted[:, None, None].expand(-1, 1, p.shape[2])
     q_end = torch.cat([q, torch.zeros_like(q[:, :1])], 1)  # past the block nothing was drawn: p itself
     last = draw(residual(p.gather(1, at)[:, 0], q_end.gather(1, at)[:, 0]), uniforms(seeds, _RESIDUAL, (1,))[:, 0])
-    new = torch.cat([tokens, tokens[:, :1]], 1).scatter(1, accepted[:, None], last[:, None])
+    new = torch.cat([tokens, last[:, None]], 1).scatter(1, accepted[:, None], last[:, None])
     return Walk(accepted, torch.arange(m + 1, device=tokens.device).expand(b, -1), new)
 
 
@@ -226,6 +226,8 @@ def tree_walk(trees: Trees, q: Tensor, widths: list[int], logits: Tensor, settin
     (`SampledDraft.widths`) the walk's bounds, the target's logits [b, m+1, V] at the bonus and
     every node -> the `tree.Walk`."""
     b, m = trees.tokens.shape
+    if m == 0:  # (cost-aware decoding verified the bonus alone: a chain of no node)
+        return chain_walk(trees.tokens, q, logits, settings, seeds)
     dev = logits.device
     real = trees.parents < torch.arange(1, m + 1, device=dev)  # padding nodes are no one's children
     u = uniforms(seeds, _ACCEPT, (len(widths), max(widths, default=0) or 1))
