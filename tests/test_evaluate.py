@@ -313,6 +313,10 @@ def test_evaluate_suites_side_by_side_mean_and_worst(tmp_path):
     md = markdown(rep)
     assert "| d | dflash | " in md and "**mean**" in md and "a (2×12)" in md and "worst/best" in md
     assert "90 % intervals over prompts" in md
+    for s in "ab":  # each suite's speed-up with its spread over the suite's prompts
+        m = rep["suites"][s]["drafters"]["d"]["dflash"]
+        lo, hi = m["speedup_interval"]
+        assert lo <= m["speedup"] <= hi and f"{m['speedup']:.2f}x{'!' * m['above_tau']}{'~' * m['spread_wide']} (" in md
     # on a GPU, a report says that its τ compare only with the same command's (docs/recipe.md)
     assert "On a GPU" not in md and "On a GPU, where the near-ties fall" in markdown({**rep, "device": "cuda"})
     # each suite's lowest-τ prompt (the first drafter and method), named by id where no request is known

@@ -268,6 +268,7 @@ def run_stages(cfg: Any, plan: Plan, device: str, out: Path) -> int:
     from dflashkit.checkpoint import load_drafter
     from dflashkit.data.features import FeatureCache
     from dflashkit.evaluate import check_partings, evaluate_offline, heldout_items, markdown, training_tau_sim, write_report
+    from dflashkit.evaluate.suites import SAVED_FORMAT
     from dflashkit.target import load_target
 
     cpu = not device.startswith("cuda")
@@ -296,7 +297,7 @@ def run_stages(cfg: Any, plan: Plan, device: str, out: Path) -> int:
 
     report_dir = out / "report"
     settings = {"suite_prompts": plan.suite_prompts, "suite_tokens": plan.suite_tokens, "budgets": plan.budgets,
-                "drafters": sorted(drafter_dirs), "device": device, "adapted": str(adapted_dir)}
+                "drafters": sorted(drafter_dirs), "device": device, "adapted": str(adapted_dir), "format": SAVED_FORMAT}
     report = stages.run("evaluate suites", lambda: evaluate_on_suites(target, drafters, plan, report_dir, settings))
     report["heldout"] = {**before, "drafters": {**before["drafters"], **after["drafters"]}}
     report.update(training_tau_sim({"adapted": adapted_dir}))

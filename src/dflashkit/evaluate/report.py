@@ -154,6 +154,7 @@ def suite_table(report: dict[str, Any]) -> list[str]:
                 cells = [report["suites"][s]["drafters"][name][lab]["tau_interval"] for s in names]
                 lines.append(f"| {name} | {lab} | " + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in cells) +
                              " | {:.2f}-{:.2f} | {:.2f}-{:.2f} |".format(*h["mean_tau_interval"], *h["worst_to_best_interval"]))
+    lines += speedup_table(report, names)
     lines += slot_table(report, names)
     lines += extremes_table(report, names)
     if report.get("differences"):
@@ -164,6 +165,17 @@ def suite_table(report: dict[str, Any]) -> list[str]:
             for lab, d in methods.items():
                 lines.append(f"| {pair} | {lab} | " + " | ".join(
                     "{:+.2f} ({:+.2f} to {:+.2f})".format(d[s]["diff"], *d[s]["interval"]) for s in [*names, "mean"]) + " |")
+    return lines
+
+
+def speedup_table(report: dict[str, Any], names: list[str]) -> list[str]:
+    """Each suite's speed-up with its range over the central 80 % of its prompts (`speedup_cell`)."""
+    lines = ["", "Speed-up per suite, with its range over the central 80 % of the suite's prompts (marks: above):", "",
+             "| drafter | method | " + " | ".join(names) + " |", "| --- | --- |" + " ---: |" * len(names)]
+    for name, methods in report["headline"].items():
+        for lab in methods:
+            cells = [report["suites"][s]["drafters"][name][lab] for s in names]
+            lines.append(f"| {name} | {lab} | " + " | ".join(speedup_cell(m) for m in cells) + " |")
     return lines
 
 

@@ -22,7 +22,7 @@ from dflashkit.target import Target
 
 log = logging.getLogger(__name__)
 
-SAVED_FORMAT = 2  # of a saved suite's report (2: per-prompt round costs); a saved suite of another is evaluated again
+SAVED_FORMAT = 2  # of a saved report (2: per-prompt round costs, speed-up spreads); one saved in another is evaluated again
 
 
 def pooled_method(ms: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
