@@ -3,7 +3,9 @@
 For each prompt, plain autoregressive decoding (same engine kind, same caches) and every drafter
 with DFlash and DDTree at each node budget; greedy outputs must be token-identical to the
 autoregressive ones (checked, and every parting explained: `partings`). τ of a round = accepted
-draft tokens + 1; the final round of an answer counts only the tokens up to its end.
+draft tokens + 1; the final round of an answer counts only the tokens up to its end. A prompt's
+decodings run one right after the other, in an order that rotates from prompt to prompt, so that
+its timings share the machine's load of the moment (speed-ups: `speed`).
 """
 
 from __future__ import annotations
