@@ -28,6 +28,7 @@ from dflashkit.cli import expected_errors
 from dflashkit.data.chat import load_tokenized
 from dflashkit.data.features import FeatureCache, extract_features
 from dflashkit.target import load_target
+from test_checkpoint import _Payload
 from train_job import run_job, tiny_samples
 
 CASES_PER_FILE = 60  # flips and truncations of each file: several hundred cases in all
@@ -288,3 +289,17 @@ def test_a_torn_metrics_line_does_not_block_resume(tmp_path, caplog):
     assert "dropping an incomplete last line" in caplog.text
     steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_crafted_pickled_target_is_one_readable_refusal(tmp_path):
+    """A target whose weights are a crafted pytorch_model.bin: exit 1 with one line that names the
+    target, never torch's advice to load it with weights_only=False, and the payload never runs."""
+    model = save_tiny_target(tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _Payload(str(marker))}, model / "pytorch_model.bin")
+    res = run_cli("generate", "--prompt", "hi", "--method", "ar", f"target.path={model}", "target.device=cpu")
+    err = [ln for ln in res.stderr.splitlines() if ln.startswith("dflashkit")]
+    assert res.returncode == 1 and len(err) == 1, res.stderr
+    assert f"target '{model}': a pickled weights file (*.bin) is not one that loads safely" in err[0]
+    assert "weights_only" not in res.stderr and "internal error" not in res.stderr and not marker.exists()

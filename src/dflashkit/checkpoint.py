@@ -465,4 +465,4 @@ def refusal_reason(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     advice = re.compile(r"weights_only|Weights only load failed|trusted source|documentation of torch\.load", re.I)
     kept = [ln for ln in lines if not advice.search(ln)]
-    return (kept[0] if kept else type(e).__name__)[:300]
+    return (kept[0].rstrip(".") if kept else type(e).__name__)[:300]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,7 +227,7 @@ def load_target(
         kw["local_files_only"] = local_files_only
     from safetensors import SafetensorError
 
-    from dflashkit.checkpoint import check_model_config
+    from dflashkit.checkpoint import check_model_config, refusal_reason
 
     if path.is_dir():
         check_model_config(path)
@@ -238,9 +239,14 @@ def load_target(
     except SafetensorError as e:
         raise ValueError(f"target '{name_or_path}': a weights file (*.safetensors) is not readable ({e}); it may be "
                          "truncated or from an interrupted download") from None
+    except (pickle.UnpicklingError, EOFError) as e:  # a pickled weights file (pytorch_model.bin) read with weights_only
+        raise ValueError(f"target '{name_or_path}': a pickled weights file (*.bin) is not one that loads safely "
+                         f"(tensors and plain data only): {refusal_reason(e)}; convert the target to safetensors "
+                         "where it came from") from None
     except OSError as e:
-        raise OSError(f"could not load target '{name_or_path}': {e}\n"
-                      "A hub id needs network access; offline, pass a local directory or a .gguf file.") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"could not load target '{name_or_path}': {first} (a hub id needs network access; offline, "
+                      "pass a local directory or a .gguf file)") from None
     return Target(model.to(device), tok, name=str(name_or_path))
 
 
