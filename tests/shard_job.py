@@ -42,9 +42,9 @@ def _held_share(target: Any) -> float:
     return local / sum(p.numel() for p in target.layers.parameters())
 
 
-def features(rank: int, path: str) -> tuple[dict[str, Any], Any, Any]:
+def features(rank: int, path: str) -> tuple[dict[str, Any], Any]:
     """Sharded in place (targets handed in) and loaded sharded from `path` (rank 0 scatters),
-    against the whole target; also returns the loaded sharded target and the whole one."""
+    against the whole target; also returns the whole target loaded from `path`."""
     from dflashkit.parallel import load_sharded_target, shard_target
     from dflashkit.target import load_target
 
@@ -57,7 +57,7 @@ def features(rank: int, path: str) -> tuple[dict[str, Any], Any, Any]:
     head, embed = sharded.model.get_output_embeddings().weight, sharded.model.get_input_embeddings().weight
     out["loaded"] = {"error": _max_error(sharded, whole, rank), "share": _held_share(sharded), "tied": head is embed,
                      "head_equal": bool(torch.equal(head, whole.model.get_output_embeddings().weight))}
-    return out, sharded, whole
+    return out, whole
 
 
 def extract_samples() -> list[Any]:
@@ -71,12 +71,25 @@ def extract(target: Any, out: Path, rank: int | None = None, world: int | None =
                      shard_size=EXTRACT_SHARD_TOKENS, rank=rank, world=world)
 
 
-def train(work: Path, name: str, parallel: str, resume: str | None = None, tag: str = "") -> None:
+def extract_command(path: str, out: Path, rank: int) -> None:
+    """`dflashkit extract ... target.parallel=shard`, as torchrun runs it in each rank."""
+    from dflashkit.cli import main as cli_main
+
+    tokenized = out.parent / f"tokenized-rank{rank}.jsonl"
+    tokenized.write_text("".join(json.dumps(s.__dict__) + "\n" for s in extract_samples()))
+    code = cli_main(["extract", "--input", str(tokenized), "--out", str(out), "--shard-size", str(EXTRACT_SHARD_TOKENS),
+                     f"target.path={path}", "target.device=cpu", "target.parallel=shard", "data.batch_size=3",
+                     "data.feature_dtype=float32", f"drafter.num_taps={len(LAYERS)}",
+                     f"drafter.target_layer_ids={LAYERS}"])
+    assert code == 0, code
+
+
+def train(work: Path, name: str, parallel: str, resume: str | None = None, tag: str = "", *overrides: str) -> None:
     from dflashkit.config import load_config
     from dflashkit.train import train as run_train
 
     out = work / f"train-{name}-{parallel}{tag}"
-    cfg = load_config(None, [*TRAIN, f"train.output_dir={out}", f"target.parallel={parallel}"])
+    cfg = load_config(None, [*TRAIN, f"train.output_dir={out}", f"target.parallel={parallel}", *overrides])
     run_train(cfg, target=TARGETS[name](), samples=tiny_samples(), resume=resume)
 
 
@@ -84,8 +97,9 @@ def run_rank(rank: int, world: int, port: int, work: str, path: str, trained: li
              local_world: int) -> None:
     """Rank `rank` of `world`: features and extraction of the target saved at `path` (rank 0 also
     extracts with the whole target, alone, into `one/`), then training of the `trained` targets,
-    replicated and sharded (within groups of `local_world` ranks, as on nodes of that many GPUs),
-    and with `resume` the sharded dense run resumed from its step 10."""
+    replicated and sharded (within groups of `local_world` ranks, as on nodes of that many GPUs);
+    with `resume` the sharded dense run resumed from its step 10, else the dense target sharded
+    under a drafter sharded too (train.parallel=fsdp)."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -93,8 +107,8 @@ def run_rank(rank: int, world: int, port: int, work: str, path: str, trained: li
     torch.set_num_threads(1)
     root = Path(work)
     try:
-        result, sharded, whole = features(rank, path)
-        extract(sharded, root / "extract")
+        result, whole = features(rank, path)
+        extract_command(path, root / "extract", rank)
         if rank == 0:
             extract(whole, root / "one", rank=0, world=1)
         os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
@@ -103,6 +117,8 @@ def run_rank(rank: int, world: int, port: int, work: str, path: str, trained: li
             train(root, name, "shard")
         if resume:
             train(root, "dense", "shard", str(root / "train-dense-shard" / "checkpoints" / "step-00000010"), "-resumed")
+        else:
+            train(root, "dense", "shard", None, "-fsdp", "train.parallel=fsdp")
         (root / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         if dist.is_initialized():

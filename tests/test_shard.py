@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from datahelpers import save_tiny_target
@@ -80,11 +81,22 @@ def test_two_ranks_shard_the_target(tmp_path, hybrid_dir):
 
 
 def test_four_ranks_shard_the_target(tmp_path, hybrid_dir):
-    """Features over 4 ranks; training as on 2 nodes of 2 (sharded within a node, replicated across)."""
+    """Features over 4 ranks; training as on 2 nodes of 2 (sharded within a node, replicated across),
+    the drafter data-parallel (DDP) or sharded too (FSDP2: the same losses up to float rounding)."""
     ranks = _spawn(4, tmp_path, hybrid_dir, ["dense"], resume=False, local_world=2)
     _check_features(ranks, 4)
     _check_extract(tmp_path)
     _check_training(tmp_path, ["dense"])
+    assert losses(tmp_path / "train-dense-shard-fsdp") == pytest.approx(losses(tmp_path / "train-dense-shard"), rel=1e-5)
+
+
+def test_probes_need_the_whole_target(monkeypatch):
+    from dflashkit.parallel import training_target
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(None, ["target.parallel=shard", "train.probes=suites"])
+    with pytest.raises(ValueError, match="train.probes: .*target.parallel=shard"):
+        training_target(cfg, None, torch.device("cpu"))
 
 
 def test_the_setting_is_checked():
