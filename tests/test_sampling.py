@@ -173,3 +173,23 @@ def test_uniforms_are_per_row_and_uniform():
     assert not torch.equal(uniforms(seeds, 2, (3, 1000)), u)
     deciles = torch.bincount((uniforms(torch.arange(100), 5, (1000,)) * 10).long().flatten(), minlength=10)
     assert ((deciles - 10_000).abs() < 500).all()
+
+
+def test_eval_reports_both_rules_when_sampling():
+    """`evaluate_online` with both acceptance rules: sampled decoding reports each method under
+    each rule ('+match' rows beside the default's); greedy decoding, where the rules agree, once."""
+    from conftest import make_tiny_drafter, make_tiny_target
+
+    from dflashkit.evaluate.online import Prompt, evaluate_online
+
+    target = make_tiny_target(num_layers=2, hidden=32, vocab=64, seed=2)
+    drafter = make_tiny_drafter(target, num_layers=1, num_taps=1, block_size=4)
+    prompts = [Prompt(f"p{i}", torch.randint(3, 60, (1, 5 + i), generator=torch.Generator().manual_seed(i)))
+               for i in range(2)]
+    kw = dict(methods=["dflash", "ddtree"], budgets=[4], max_new_tokens=6, engine="hf", acceptances=["match", "rejection"])
+    sampled = evaluate_online(target, {"d": drafter}, prompts, sampling=Sampling(1.0, 0.9, seed=0), **kw)
+    methods = sampled["drafters"]["d"]["methods"]
+    assert set(methods) == {"dflash", "dflash+match", "ddtree-4", "ddtree-4+match"}
+    assert all(m["tokens"] == 12 and m["identical"] is None for m in methods.values())
+    greedy = evaluate_online(target, {"d": drafter}, prompts, **kw)
+    assert set(greedy["drafters"]["d"]["methods"]) == {"dflash", "ddtree-4"}

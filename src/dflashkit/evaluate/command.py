@@ -17,12 +17,13 @@ from dflashkit.evaluate.partings import check_partings
 from dflashkit.evaluate.report import markdown, training_tau_sim, write_report
 from dflashkit.evaluate.suites import evaluate_suites
 from dflashkit.evaluate.summary import method_labels
+from dflashkit.method import ACCEPTANCES
 from dflashkit.rundir import output_directory
 
 log = logging.getLogger("dflashkit.evaluate")
 
 ONLINE_ONLY = ("prompts", "suites", "max_new_tokens", "temperature", "top_p", "seed", "engine", "draft_tokens",
-               "repeats")
+               "repeats", "acceptance")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=None, help="answer length with --prompts (suites have theirs)")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (outputs checked against autoregressive)")
     g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--acceptance", type=acceptance_list, default=None, metavar="RULES",
+                   help="sampled decoding's acceptance rules, comma list of rejection (drafts drawn from the drafter, "
+                        "accepted with min(1, p/q); default) and match (the drafter's likeliest tokens, accepted when "
+                        "equal to the target's sample: what an engine verifying without the drafter's probabilities "
+                        "gets; rows '+match')")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
     g.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
@@ -58,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="suites: reuse those an earlier run of the same command "
                    "finished (saved in OUT/suites/, used only where drafters, prompts and settings match)")
     add_config_options(p)
+
+
+def acceptance_list(text: str) -> list[str]:
+    """--acceptance: a comma list of `method.ACCEPTANCES`, each once."""
+    rules = [r.strip() for r in text.split(",") if r.strip()]
+    if not rules or any(r not in ACCEPTANCES for r in rules) or len(set(rules)) != len(rules):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(ACCEPTANCES)}, each once; got {text!r}")
+    return rules
 
 
 def parse_drafters(specs: list[str]) -> dict[str, Path]:
@@ -160,6 +174,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
     drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
     sampling = inputs.sampling
     kw = dict(**settings, sampling=sampling, engine=_pick(args.engine, "auto"), cost_aware=args.cost_aware,
+              acceptances=args.acceptance or ["rejection"],
               draft_tokens=args.draft_tokens, repeats=_pick(args.repeats, 1),
               stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
     if inputs.convs is not None:
@@ -176,6 +191,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
             for s in inputs.suites], keep=keep, reuse=args.resume, **kw)
         settings.update(suites=[s.name for s in inputs.suites], limit=inputs.limit)
     settings.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                    acceptance=kw["acceptances"],
                     draft_tokens=args.draft_tokens, repeats=kw["repeats"])  # None: each drafter's block_size - 1
     return report
 

@@ -75,6 +75,7 @@ class Job:
     method: str
     budget: int | None = None
     cost_aware: bool = False
+    acceptance: str = "rejection"
 
 
 def decode_prompt(jobs: Sequence[Job], prompt: Prompt, index: int, kw: dict[str, Any],
@@ -87,7 +88,8 @@ def decode_prompt(jobs: Sequence[Job], prompt: Prompt, index: int, kw: dict[str,
     for r in range(repeats):
         start = (index + r) % len(jobs)
         for j in [*jobs[start:], *jobs[:start]]:
-            g = generate(j.engine, prompt.ids, method=j.method, budget=j.budget, cost_aware=j.cost_aware, **kw)
+            g = generate(j.engine, prompt.ids, method=j.method, budget=j.budget, cost_aware=j.cost_aware,
+                         acceptance=j.acceptance, **kw)
             first = outs.setdefault(j.key, g)
             first.prefill_seconds = min(first.prefill_seconds, g.prefill_seconds)
             first.decode_seconds = min(first.decode_seconds, g.decode_seconds)
@@ -159,21 +161,24 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                     top_k: int | None = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
                     stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
                     cost_aware: bool = False, draft_tokens: int | None = None, repeats: int = 1,
-                    desc: str = "online eval") -> dict[str, Any]:
+                    acceptances: Sequence[str] = ("rejection",), desc: str = "online eval") -> dict[str, Any]:
     """Every prompt: autoregressive decoding and each drafter x method, on the same engine kind,
     one right after the other (`decode_prompt`). cost_aware: each speculative method also runs
     cost-aware (label suffix '+cost'); draft_tokens: tokens drafted a round (`make_engine`); repeats:
-    turns of every job per prompt, each job timed by its fastest (`decode_prompt`); desc: the
-    progress bar's label."""
+    turns of every job per prompt, each job timed by its fastest (`decode_prompt`); acceptances:
+    the acceptance rules of sampled decoding to run (`method.Acceptance`; the match rule's rows
+    carry the suffix '+match'; greedy decoding has one rule); desc: the progress bar's label."""
     sampling = sampling or Sampling()
     greedy = sampling.temperature == 0
-    labels = method_labels(methods, budgets)
+    rules = acceptances if not greedy else ("rejection",)
+    labels = [(lab + ("+match" if rule == "match" else ""), method, budget)
+              for rule in rules for lab, method, budget in method_labels(methods, budgets)]
     if cost_aware:
         labels += [(f"{lab}+cost", method, budget) for lab, method, budget in labels]
     base_engine = make_engine(target, None, engine)
     engines = {n: make_engine(target, d, engine, draft_tokens) for n, d in drafters.items()}
     jobs = [Job("ar", base_engine, "ar")] + [
-        Job(f"{name}/{lab}", eng, method, budget, lab.endswith("+cost"))
+        Job(f"{name}/{lab}", eng, method, budget, lab.endswith("+cost"), "match" if "+match" in lab else "rejection")
         for name, eng in engines.items() for lab, method, budget in labels]
     if target.device.type == "cuda" and prompts:  # (CUDA graphs are captured and kernels compiled on first use)
         warm_up([base_engine, *engines.values()], labels, [pr.ids for pr in prompts],
