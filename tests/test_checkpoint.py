@@ -216,3 +216,24 @@ def test_split_and_join_round_trip(tiny_target, tmp_path):
     (tmp_path / "parts" / "model.safetensors.part001").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors does not match its SHA-256"):
         join_drafter(tmp_path / "parts", tmp_path / "again")
+
+
+def test_resume_refuses_another_target_or_training_set(tmp_path):
+    """A training state records the target's identity and the training set's ids: resuming it with
+    another of either is refused with one line naming the way forward, even at equal sizes."""
+    from conftest import make_tiny_target
+    from dflashkit.config import load_config
+    from dflashkit.train import TrainingStopped, train
+    from train_job import BASE, run_job, tiny_samples
+
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped):
+        run_job(str(out), ["train.save_every=100"], signal_at=2)
+    renamed = [type(s)(f"x{s.id}", s.input_ids, s.loss_mask) for s in tiny_samples()]
+    with pytest.raises(ValueError, match=r"--resume: .* was trained with another training set .*--overwrite"):
+        run_job(str(out), ["train.save_every=100"], resume=True, samples=renamed)
+    cfg = load_config(None, [*BASE, f"train.output_dir={out}", "train.save_every=100"])
+    with pytest.raises(ValueError, match=r"--resume: .* was trained with another target \(config or weights\)"):
+        train(cfg, target=make_tiny_target(seed=5), samples=tiny_samples(), resume=True)
+    run_job(str(out), ["train.save_every=100"], resume=True)  # the same ones resume
+    assert (out / "final" / "model.safetensors").is_file()

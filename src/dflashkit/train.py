@@ -716,6 +716,21 @@ def _rng_state() -> dict[str, Any]:
     return s
 
 
+# What a resumed run must share with the run that wrote its checkpoint, beyond the data position.
+RUN_IDENTITY = {"target_sha256": "target (config or weights)", "samples_sha256": "training set (sample ids or their order)"}
+
+
+def run_identity(target: Any, ids: list[str]) -> dict[str, str]:
+    """The target's identity (its config and a fingerprint of its weights) and the samples' ids in
+    order, hashed: kept in each training state and compared on resume (`RUN_IDENTITY`)."""
+    from dflashkit.data.features import target_identity
+
+    ident = target_identity(target)
+    weights = json.dumps([ident["config_sha256"], ident["weights_fingerprint"]])
+    return {"target_sha256": hashlib.sha256(weights.encode()).hexdigest(),
+            "samples_sha256": hashlib.sha256("\n".join(ids).encode()).hexdigest()}
+
+
 def _set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
     random.setstate(s["python"])
@@ -916,6 +931,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
 
     ids = sample_ids(samples)
+    identity = run_identity(target, ids)
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
     eval_groups = held_out_groups(ids, eval_idx)
     if (probes or tc.probes) and hasattr(samples, "ids"):
@@ -950,6 +966,10 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
             if state[key] != now:
                 raise ValueError(f"--resume: the checkpoint was trained with {key}={state[key]}, this run has {now}; "
                                  "the data position cannot be carried over")
+        changed = [RUN_IDENTITY[k] for k, v in identity.items() if k in state and state[k] != v]
+        if changed:
+            raise ValueError(f"--resume: {resume_dir} was trained with another {' and '.join(changed)} than this run's; "
+                             "resume with the same ones, or start afresh with --overwrite")
         trainer.load_state_dict(state)
         _set_rng_state(state["rng"])
         start, best = state["step"], state["best"]
@@ -971,7 +991,8 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         check_finite(step, {}, full["params"])
         if d.main:
             state = {"version": STATE_VERSION, "step": step, "total_steps": total, "batch_size": tc.batch_size,
-                     "num_train": len(train_idx), "best": best, "rng": _rng_state(), "config": cfg.model_dump(), **full}
+                     "num_train": len(train_idx), "best": best, "rng": _rng_state(), "config": cfg.model_dump(),
+                     **identity, **full}
             save_checkpoint(out_dir, step, export_drafter(dcfg, full["params"], dtype), state, tc.keep_last)
 
     bar = progress(total=total, initial=start, desc="train", unit="step", disable=not d.main)
