@@ -93,6 +93,15 @@ def test_a_bad_interval_is_one_line_naming_the_variable(monkeypatch, value):
         progress(total=3, file=io.StringIO())
 
 
+def test_a_bad_interval_stops_a_command_before_it_starts(monkeypatch, capsys):
+    from dflashkit.cli import main
+
+    monkeypatch.setenv(INTERVAL_ENV, "soon")
+    assert main(["config", "--plain"]) == 1
+    res = capsys.readouterr()
+    assert res.out == "" and res.err == f"dflashkit config: error: {INTERVAL_ENV}: expected a number of seconds > 0, got 'soon'\n"
+
+
 def test_regenerate_into_a_log_file_writes_progress_lines_while_it_runs(tmp_path):
     model = save_tiny_target(tmp_path / "model")
     prompts = tmp_path / "prompts.jsonl"

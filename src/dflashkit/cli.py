@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _, run = _handler(args._module, args.command)
+    from dflashkit.progress import interval_seconds
+
     try:
+        interval_seconds()  # a bad DFLASHKIT_PROGRESS_SECONDS fails before any work, not at the first bar
         return int(run(args) or 0)
     except KeyboardInterrupt:
         print(f"dflashkit {args.command}: interrupted", file=sys.stderr)
