@@ -114,26 +114,29 @@ def load_sharded_target(path: str | None, *, gguf_file: str | None, dtype: str, 
 
 @torch.no_grad()
 def _scatter_from_rank0(model: nn.Module, source: nn.Module | None) -> None:
-    """Fill `model` (sharded, allocated, uninitialised) with rank 0's `source` tensors, by name."""
+    """Fill `model` (sharded, allocated, uninitialised) with rank 0's `source` tensors, by name:
+    a sharded tensor's shards scattered, a whole one broadcast."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     values = dict(source.named_parameters(remove_duplicate=False)) | dict(source.named_buffers()) if source else {}
     tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
     for name, t in tensors:
         if isinstance(t, DTensor):
-            whole = _from_rank0(values.get(name), t.shape, t.dtype, t.device_mesh.device_type)
+            whole = _rank0_value(values.get(name), t.shape, t.dtype, t.device_mesh.device_type)
             t.copy_(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=0))
         else:
-            t.copy_(_from_rank0(values.get(name), t.shape, t.dtype, t.device.type))
+            whole = _rank0_value(values.get(name), t.shape, t.dtype, t.device.type)
+            dist.broadcast(whole, 0)
+            t.copy_(whole)
 
 
-def _from_rank0(value: Tensor | None, shape: torch.Size, dtype: torch.dtype, device: str) -> Tensor:
-    """Rank 0's tensor, broadcast whole to every rank (on `device`, the collective's device)."""
-    if value is not None and value.shape != shape:
+def _rank0_value(value: Tensor | None, shape: torch.Size, dtype: torch.dtype, device: str) -> Tensor:
+    """Rank 0's tensor on `device` (the collective's); on the other ranks a buffer of its shape to receive it."""
+    if value is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if value.shape != shape:
         raise RuntimeError(f"target tensor shape {tuple(value.shape)} differs from the model's {tuple(shape)}")
-    out = value.to(device=device, dtype=dtype) if value is not None else torch.empty(shape, dtype=dtype, device=device)
-    dist.broadcast(out, 0)
-    return out
+    return value.to(device=device, dtype=dtype)
 
 
 def load_configured_target(tcfg: Any, device: torch.device) -> Target:
