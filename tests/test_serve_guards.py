@@ -22,11 +22,12 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from datahelpers import CHILD_ENV, save_tiny_target, start_cli
+from datahelpers import CHILD_ENV, one_thread, save_tiny_target, start_cli  # noqa: F401
 from dflashkit.decode.generation import GenerationChunk
 from dflashkit.serve import Admission, BatchWorker, EngineProcess, Served, build_app
 from dflashkit.vocab import stop_token_ids
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -250,29 +251,37 @@ class Spy:
         return self.generator.generate_batch(requests, cancelled, spy)
 
 
+def endless_target_and_drafter(tokenizer):
+    """A tiny random target and drafter on which a request without a short limit runs until it is
+    cancelled: a long context, and a head that gives stop tokens no chance (a random model emits
+    them now and then, and which tokens it decodes depends on the round a request joined in)."""
+    import torch
+
+    from conftest import make_tiny_drafter, make_tiny_target
+
+    target = make_tiny_target()
+    target.config.max_position_embeddings = 1 << 20
+    emb = target.model.get_input_embeddings().weight
+    head = torch.nn.Linear(emb.shape[1], emb.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(emb)
+        head.bias.zero_()
+        head.bias[sorted(stop_token_ids(tokenizer, None))] = -1e4
+    target.model.set_output_embeddings(head)
+    return target, make_tiny_drafter(target)
+
+
 def test_continuous_batching_frees_a_disconnected_clients_row(tokenizer):
     """`--max-batch 2` over the real round loop (tiny random target and drafter): two endless
     requests fill the batch and a third waits; when one client disconnects, the third joins the
     running batch beside the other (which keeps running), and its answer is what it decodes alone."""
     import torch
 
-    from conftest import make_tiny_drafter, make_tiny_target
     from dflashkit.decode.engine import Engine as Decoder
     from dflashkit.decode.loop import DecodingGenerator, generate
 
-    target = make_tiny_target()
-    target.config.max_position_embeddings = 1 << 20  # requests without a short limit run until cancelled
-    # ... and never end on a stop token, which a random model emits now and then (which tokens it
-    # decodes depends on the round a request joined in): the head gives stop tokens no chance.
+    target, drafter = endless_target_and_drafter(tokenizer)
     stops = stop_token_ids(tokenizer, None)
-    emb = target.model.get_input_embeddings().weight
-    head = torch.nn.Linear(emb.shape[1], emb.shape[0])
-    with torch.no_grad():
-        head.weight.copy_(emb)
-        head.bias.zero_()
-        head.bias[sorted(stops)] = -1e4
-    target.model.set_output_embeddings(head)
-    drafter = make_tiny_drafter(target)
     spy = Spy(DecodingGenerator(Decoder(target, drafter)))
     endless = {"prompt": [5, 6, 7, 8], "max_tokens": 100_000, "stream": True}
     short = {"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0}
@@ -465,3 +474,34 @@ def test_a_host_other_machines_reach_without_an_api_key_is_warned_about(host, ke
     err = capsys.readouterr().err
     assert err.endswith("dflashkit serve: error: the command went on to load the model\n")  # after the warning
     assert ("dflashkit serve: warning: listening on 0.0.0.0 without an API key" in err) == warned, err
+
+
+@pytest.mark.parametrize("method,budget,acceptance", [("dflash", None, "rejection"), ("ddtree", 8, "rejection"),
+                                                     ("dflash", None, "match"), ("ddtree", 8, "match")])
+def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tokenizer, method, budget, acceptance):
+    """A sampled request (temperature 0.7, top-p 0.9) with a seed, over the real round loop (tiny
+    random target and drafter, DFlash and DDTree, either acceptance rule): its text alone equals
+    its text when it joins a batch that a sampled endless request runs (each row draws from its
+    own random stream); another seed gives another text."""
+    from dflashkit.decode.engine import Engine as Decoder
+    from dflashkit.decode.loop import DecodingGenerator
+
+    target, drafter = endless_target_and_drafter(tokenizer)
+    generator = DecodingGenerator(Decoder(target, drafter), method=method, budget=budget, acceptance=acceptance)
+    seeded = {"prompt": [9, 10, 11], "max_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 11}
+    with serving(build_app(served(tokenizer), BatchWorker(generator, max_batch=2))) as url:
+        def ask(body: dict) -> dict:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        alone, other_seed = ask(seeded), ask(seeded | {"seed": 12})
+        endless = raw_request(url, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 100_000,
+                                                       "temperature": 1.0, "seed": 3, "stream": True})
+        assert poll(lambda: health(url)["running"] == 1)
+        batched = ask(seeded)
+        endless.close()
+    assert alone["usage"]["batch_size"] == 1 and batched["usage"]["batch_size"] == 2
+    assert alone["usage"]["decoding"] == batched["usage"]["decoding"] == method + (f"-{budget}" if budget else "")
+    assert batched["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert other_seed["choices"][0]["text"] != alone["choices"][0]["text"]

@@ -56,6 +56,7 @@ from dflashkit.config import Float, Int  # numbers without booleans (JSON true i
 from dflashkit.data.chat import encode, render
 from dflashkit.decode.generation import GenerationChunk, Generator
 from dflashkit.decode.loop import DecodingGenerator, make_engine
+from dflashkit.method import ACCEPTANCES
 
 try:  # the `serve` extra; module-level names, as FastAPI resolves the handlers' annotations here
     from starlette.requests import Request
@@ -100,7 +101,10 @@ def to_loops(items: list[tuple[_Job, Any]]) -> None:
     for job, item in items:
         by_loop.setdefault(job.loop, []).append((job, item))
     for loop, pairs in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, pairs)
+        try:
+            loop.call_soon_threadsafe(_put_all, pairs)
+        except RuntimeError:  # the loop is closed: its server has shut down, nobody reads these
+            pass
 
 
 def _put_all(pairs: list[tuple[_Job, Any]]) -> None:
@@ -1008,6 +1012,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prefix that pays; draft at all only while drafting rounds give more tokens per second than "
                    "autoregressive ones (a large batch on a GPU, or a CPU, may be faster without)")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help="with --drafter: " + DRAFT_TOKENS_HELP)
+    p.add_argument("--acceptance", choices=ACCEPTANCES, default=None,
+                   help="with --drafter: how sampled requests (temperature > 0) accept drafted tokens: rejection "
+                   "(drafts drawn from the drafter, accepted with min(1, p/q); default) or match (the drafter's "
+                   "likeliest tokens, accepted when equal to the target's sample); both exact")
     p.add_argument("--max-batch", type=int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")
@@ -1046,7 +1054,7 @@ def check_options(args: argparse.Namespace) -> None:
     """Every option value of `serve`, before anything loads: one line naming the option and what
     it expects."""
     drafter_only = [("--ddtree-budget", args.ddtree_budget is not None), ("--cost-aware", args.cost_aware),
-                    ("--draft-tokens", args.draft_tokens is not None)]
+                    ("--draft-tokens", args.draft_tokens is not None), ("--acceptance", args.acceptance is not None)]
     checks = [
         (0 <= args.port <= 65535, f"--port {args.port}: expected a port number 0..65535 (0: any free port)"),
         (args.max_batch >= 1, f"--max-batch {args.max_batch}: expected N >= 1"),
@@ -1135,7 +1143,8 @@ def load_for_serving(args: argparse.Namespace, cfg: Any) -> tuple[Served, Genera
         drafter = load_drafter(args.drafter, target, device=target.device, dtype=target.dtype)
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
     generator = DecodingGenerator(make_engine(target, drafter, args.engine, args.draft_tokens), method=method, budget=args.ddtree_budget,
-                                  rows=args.max_batch, cost_aware=args.cost_aware)
+                                  rows=args.max_batch, cost_aware=args.cost_aware,
+                                  acceptance=args.acceptance or "rejection")
     if generator.engine.fixed_rows:
         print(f"dflashkit serve: warming up ({args.max_batch} rows: compiling, capturing CUDA graphs)", flush=True)
         generator.warm_up(target.tokenizer("Hello, world!")["input_ids"])
