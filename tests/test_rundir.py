@@ -121,3 +121,11 @@ def test_a_malformed_manifest_is_one_line_naming_it(tmp_path):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / MANIFEST))}: expected"):
         with output_directory(tmp_path, "train"):
             pass
+
+
+def test_a_file_where_an_output_directory_goes_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for held in (output_directory(tmp_path / "afile", "extract"), output_path(tmp_path / "afile" / "x.jsonl", "tokenize")):
+        with pytest.raises(ValueError, match=r"afile: expected a directory \(or none yet\), but it or a folder above it is a file"):
+            with held:
+                pass

@@ -67,6 +67,14 @@ def remove_entry(p: Path) -> None:
         shutil.rmtree(p)
 
 
+def make_dir(path: Path) -> None:
+    """`mkdir -p path`, or one line when a file stands where a folder must be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{path}: expected a directory (or none yet), but it or a folder above it is a file") from None
+
+
 def _read_manifest(path: Path) -> set[str]:
     file = path / MANIFEST
     if file.is_symlink() or not file.is_file():
@@ -111,7 +119,7 @@ def output_directory(path: str | Path, command: str, *, temp_dirs: Sequence[str]
     path = Path(path)
     if path.is_symlink() and not path.is_dir():
         raise ValueError(f"{path}: a symbolic link to nothing; expected an output directory")
-    path.mkdir(parents=True, exist_ok=True)
+    make_dir(path)
     with hold_lock(path / lock, command, str(path)):
         for d in (path, *(path / t for t in temp_dirs)):
             if d.is_dir() and not d.is_symlink():
@@ -125,7 +133,7 @@ def output_path(path: str | Path, command: str) -> Iterator[Path]:
     drafter), with `.NAME.lock` beside it, not in it; remove the temp files that killed writers
     left of it (and in it, for a directory)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     with hold_lock(path.with_name(f".{path.name}.lock"), command, str(path)):
         remove_stale_temp_files(path.parent, path.name)
         if path.is_dir() and not path.is_symlink():
