@@ -15,9 +15,11 @@ import queue
 
 import pytest
 
+from datahelpers import one_thread  # noqa: F401
 from dflashkit.decode.generation import GenerationChunk
 from dflashkit.serve import Admission, BatchWorker, add_arguments, admission_from_args
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 WAIT = 30  # seconds a hand-off may take before the test fails (a hung worker, not a timing)
 
 
