@@ -108,7 +108,6 @@ def load_sharded_target(path: str | None, *, gguf_file: str | None, dtype: str, 
     if getattr(target.config, "tie_word_embeddings", False):
         target.model.tie_weights()
     _scatter_from_rank0(target.model, full.model if full is not None else None)
-    del full
     return target
 
 
@@ -139,9 +138,19 @@ def _rank0_value(value: Tensor | None, shape: torch.Size, dtype: torch.dtype, de
     return value.to(device=device, dtype=dtype)
 
 
+def _sharding(tcfg: Any) -> bool:
+    """`tcfg` (config.TargetConfig) asks for sharding and there are ranks to shard over."""
+    if tcfg.parallel != "shard":
+        return False
+    if world_size() == 1:
+        log.info("target.parallel=shard in a single process: the whole target is loaded (shards need torchrun)")
+        return False
+    return True
+
+
 def load_configured_target(tcfg: Any, device: torch.device) -> Target:
     """The target as `tcfg` (config.TargetConfig) says: whole in this process, or sharded over the job's ranks."""
-    if tcfg.parallel == "shard" and world_size() > 1:
+    if _sharding(tcfg):
         return load_sharded_target(tcfg.path, gguf_file=tcfg.gguf_file, dtype=tcfg.dtype, device=device)
     return load_target(tcfg.path, gguf_file=tcfg.gguf_file, dtype=tcfg.dtype, device=device)
 
@@ -149,11 +158,11 @@ def load_configured_target(tcfg: Any, device: torch.device) -> Target:
 def training_target(cfg: Any, target: Target | None, device: torch.device) -> Target:
     """The target of a training run (`cfg`: config.Config): loaded as `cfg.target` says, or the one
     handed in, sharded in place when `target.parallel` is 'shard'."""
-    shard = cfg.target.parallel == "shard" and world_size() > 1
+    shard = _sharding(cfg.target)
     if shard and cfg.train.probes:
         raise ValueError("train.probes: the target writes the probes' answers by decoding, which needs the whole "
-                         "target in each process; with target.parallel=shard write them beforehand "
-                         "(`dflashkit regenerate`) or leave train.probes unset")
+                         "target in a process, and target.parallel=shard splits it; leave train.probes unset (or "
+                         "hand answered probes to train(cfg, probes=...))")
     if target is None:
         return load_configured_target(cfg.target, device)
     return shard_target(target, device) if shard else target
@@ -172,6 +181,7 @@ def lockstep(target: Target) -> Iterator[None]:
         yield
         return
     device = target.device
+
     def announce(*_: Any) -> None:
         _count_working(1, device)
 
