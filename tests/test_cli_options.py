@@ -14,6 +14,8 @@ CASES = [
     (["regenerate", "--out", "o.jsonl", "--timeout", "inf"], "--timeout", "a finite number > 0", "inf"),
     (["regenerate", "--out", "o.jsonl", "--concurrency", "0"], "--concurrency", "an integer >= 1", "0"),
     (["regenerate", "--out", "o.jsonl", "--retries", "-1"], "--retries", "an integer >= 0", "-1"),
+    (["regenerate", "--out", "o.jsonl", "--backend", "http", "--url", "localhost:8000/v1"], "--url",
+     "an http:// or https:// URL such as http://127.0.0.1:8000/v1", "localhost:8000/v1"),
     (["extract", "--input", "t.jsonl", "--out", "f", "--shard-size", "0"], "--shard-size", "an integer >= 1", "0"),
     (["check-features", "a", "b", "--limit", "-5"], "--limit", "an integer >= 1", "-5"),
     (["check-features", "a", "b", "--min-cosine", "nan"], "--min-cosine", "a number in [-1, 1]", "nan"),

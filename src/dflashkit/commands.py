@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import time
 from typing import Any, Callable
 
@@ -63,6 +64,12 @@ def non_negative_float(text: str) -> float:
 def probability(text: str) -> float:
     """argparse type of a probability mass in (0, 1] (`--top-p`)."""
     return _checked(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+
+
+def http_url(text: str) -> str:
+    """argparse type of a server's base URL (`--url http://host:8000/v1`)."""
+    return _checked(text, str, lambda u: bool(re.fullmatch(r"https?://[^/\s]+(/\S*)?", u)),
+                    "an http:// or https:// URL such as http://127.0.0.1:8000/v1")
 
 
 def cosine(text: str) -> float:

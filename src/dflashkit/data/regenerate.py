@@ -400,12 +400,12 @@ def _ask_all(ask: Callable[[Conversation], tuple[dict, int]], pool: ThreadPoolEx
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import add_config_options, non_negative_int, positive_float, positive_int
+    from dflashkit.commands import add_config_options, http_url, non_negative_int, positive_float, positive_int
 
     p.add_argument("--out", metavar="JSONL", help="output file (default: data.regenerated)")
     p.add_argument("--backend", choices=["local", "http"], default="local",
                    help="local: Transformers generate on the target; http: an OpenAI-compatible server")
-    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="http back-end: base URL, ending in /v1")
+    p.add_argument("--url", type=http_url, default="http://127.0.0.1:8000/v1", help="http back-end: base URL, ending in /v1")
     p.add_argument("--model", help="http back-end: model name (default: the first the server lists)")
     p.add_argument("--concurrency", type=positive_int, default=8, help="http back-end: requests in flight")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="http back-end: seconds per request")
