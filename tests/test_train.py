@@ -166,6 +166,8 @@ def test_a_signal_while_the_data_loads_stops_before_the_first_step(tmp_path, mon
     monkeypatch.undo()
     with pytest.raises(ValueError, match="earlier run that saved no checkpoint .*; --auto-resume or --overwrite"):
         run_job(str(tmp_path / "run"), ["train.max_steps=6"])
+    with pytest.raises(FileNotFoundError, match="latest.json does not exist .*; --auto-resume starts afresh"):
+        run_job(str(tmp_path / "run"), ["train.max_steps=6"], resume=True)
     run_job(str(tmp_path / "run"), ["train.max_steps=6"], auto_resume=True)  # no checkpoint: afresh
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="--auto-resume decides"):

@@ -696,7 +696,8 @@ def find_resume(out_dir: Path, resume: bool | str | None) -> Path | None:
     if resume is True:
         latest = out_dir / "latest.json"
         if not latest.is_file():
-            raise FileNotFoundError(f"--resume: {latest} does not exist (no checkpoint was written in {out_dir} yet)")
+            raise FileNotFoundError(f"--resume: {latest} does not exist (no checkpoint was written in {out_dir} yet); "
+                                    "--auto-resume starts afresh while there is none, or --overwrite")
         try:
             path = out_dir / json.loads(latest.read_text())["checkpoint"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
