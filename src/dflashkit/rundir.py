@@ -1,9 +1,11 @@
-"""Output directories that belong to one run of one command.
+"""Outputs that belong to one run of one command.
 
 A command that writes a directory holds `DIR/.lock` while it runs (a second run into it fails at
 once and names the holder), removes the temp files that killed writers left there, and records in
 `DIR/.dflashkit-files.json` the entries it writes before it writes them. `--overwrite` removes
-only entries so recorded: never a file of the user's, and never through a symbolic link.
+only entries so recorded: never a file of the user's, and never through a symbolic link. An
+output that is handed on as it is (a tokenized file, an exported drafter) is locked from beside
+it (`output_path`).
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ class OutputDir:
         names = self.present(names)
         foreign = [n for n in names if n not in self.written]
         if foreign:
-            raise ValueError(f"{self.path}: {', '.join(foreign)} {'was' if len(foreign) == 1 else 'were'} not written "
-                             f"by dflashkit ({MANIFEST} does not list {'it' if len(foreign) == 1 else 'them'}), so "
-                             f"{option} leaves {'it' if len(foreign) == 1 else 'them'} alone: move "
-                             f"{'it' if len(foreign) == 1 else 'them'} away or choose another output directory")
+            was, it = ("was", "it") if len(foreign) == 1 else ("were", "them")
+            raise ValueError(f"{self.path}: {', '.join(foreign)} {was} not written by dflashkit ({MANIFEST} does not "
+                             f"list {it}), so {option} leaves {it} alone: move {it} away or choose another output "
+                             "directory")
         for n in names:
             remove_entry(self.path / n)
 
