@@ -76,6 +76,20 @@ def test_iterating_and_scaled_units(clock, monkeypatch):
     assert log.getvalue().splitlines()[0].startswith("extract: 1.50M/3.00M tok (50%), 750k tok/s")
 
 
+def test_a_stage_that_fails_leaves_the_error_as_its_last_line(clock, monkeypatch):
+    monkeypatch.setenv(INTERVAL_ENV, "10")
+    log = io.StringIO()
+    with pytest.raises(ValueError, match="bad record"):
+        with progress(total=5, desc="tokenize", file=log) as bar:
+            bar.update(2)
+            raise ValueError("bad record")
+    with pytest.raises(ValueError, match="bad sample"):
+        for i in progress(range(5), desc="check", file=log):
+            if i == 2:
+                raise ValueError("bad sample")
+    assert log.getvalue() == ""
+
+
 def test_a_terminal_gets_the_bar_and_disable_gets_nothing(monkeypatch):
     monkeypatch.setenv(INTERVAL_ENV, "0")  # never read on a terminal
     assert isinstance(progress(total=3, file=Terminal()), tqdm)

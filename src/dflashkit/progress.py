@@ -54,18 +54,17 @@ class LineProgress:
         self._start = self._last = time.monotonic()
 
     def __iter__(self) -> Iterator:
-        try:
-            for item in self.iterable or ():
-                yield item
-                self.update(1)
-        finally:
-            self.close()
+        for item in self.iterable or ():
+            yield item
+            self.update(1)
+        self.close()  # not when the loop is left by an error: its one line is the error's
 
     def __enter__(self) -> LineProgress:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
 
     def update(self, n: float = 1) -> None:
         with self._lock:
