@@ -239,7 +239,7 @@ def test_resume_refuses_answers_of_another_prompt_text_or_target(tiny_dir, tmp_p
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert cli_main([*args, f"target.path={other}"]) == 1
     err = capsys.readouterr().err
-    assert f"{out}:1: written by another target (weights_fingerprint differ" in err and "--overwrite" in err
+    assert f"{out}:1: written by another target (weights_fingerprint differs:" in err and "--overwrite" in err
     assert out.read_bytes() == first
 
     assert cli_main([*args, f"target.path={other}", "--overwrite"]) == 0

@@ -139,7 +139,8 @@ class AnswerKey:
             return "records no target identity, so it cannot be known which target wrote it"
         changed = sorted(k for k in self.target.keys() | have.keys() if k != "name" and have.get(k) != self.target.get(k))
         if changed:
-            return (f"written by another target ({', '.join(changed)} differ: {have.get('name', '?')!r} then, "
+            return (f"written by another target ({', '.join(changed)} {'differs' if len(changed) == 1 else 'differ'}: "
+                    f"{have.get('name', '?')!r} then, "
                     f"{self.target.get('name', '?')!r} now)")
         want = self.prompts.get(rec["id"])
         if want is not None and rec.get("prompt_sha256") != want:
