@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 import traceback
@@ -70,6 +71,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not sys.stderr.isatty():
+        # Off a terminal, Hugging Face's bars (loading weights) would fill a log with carriage
+        # returns; dflashkit's own stages log their progress lines (progress.py).
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     debug = "--debug" in argv  # accepted anywhere on the line
     argv = [a for a in argv if a != "--debug"]
     parser = Parser(
