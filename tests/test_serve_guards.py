@@ -505,3 +505,39 @@ def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tokenizer, method, bud
     assert alone["usage"]["decoding"] == batched["usage"]["decoding"] == method + (f"-{budget}" if budget else "")
     assert batched["choices"][0]["text"] == alone["choices"][0]["text"]
     assert other_seed["choices"][0]["text"] != alone["choices"][0]["text"]
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def load_forever():
+    """In an engine process: a model that takes forever to load."""
+    time.sleep(600)
+
+
+def test_the_engine_process_exits_when_the_server_process_is_killed_outright():
+    """The engine's process ignores stop signals (the server drains, then closes it), so it must
+    not outlive a server process that dies without closing it (SIGKILL, an out-of-memory kill),
+    even while it loads the model and reads nothing from the server."""
+    code = ("import sys, threading, time; sys.path.insert(0, 'tests'); import test_serve_guards as t; "
+            "from multiprocessing import active_children; "
+            "threading.Thread(target=t.EngineProcess, args=(t.load_forever, 1, 0, t.Admission()), daemon=True).start(); "
+            "t.poll(active_children); print(active_children()[0].pid, flush=True); time.sleep(600)")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=CHILD_ENV,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        engine_pid = int(server.stdout.readline())
+        assert running(engine_pid)
+        server.kill()
+        server.wait()
+        assert poll(lambda: not running(engine_pid), 60), "the engine's process outlived the server's"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

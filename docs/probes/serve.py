@@ -1,10 +1,10 @@
-"""Server probes (docs/reliability.md, rows S1-S7): run from the repository root with PYTHONPATH=src.
+"""Server probes (docs/reliability.md, rows S1-S7, S9-S12): run from the repository root with PYTHONPATH=src.
 
 Server probes against a real `dflashkit serve` on a tiny random target with a 32k context."""
-import json, signal, socket, subprocess, sys, time
+import json, os, signal, socket, subprocess, sys, time
 import httpx
 sys.path.insert(0, "tests")
-from datahelpers import save_tiny_target, start_cli
+from datahelpers import CHILD_ENV, save_tiny_target, start_cli
 from pathlib import Path
 model = Path("/tmp/p/model32k")
 if not model.exists():
@@ -37,6 +37,11 @@ print("no key:", httpx.get(url + "/v1/models").status_code, "health without key:
 for f, v in (("max_tokens", True), ("seed", 2**70)):
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", f: v}, headers=H)
     print(f"{f}={v}: HTTP {r.status_code} {r.json()['error']['message']}")
+# 4b. a lone surrogate in a prompt, and a chat message (S10)
+for path, body in (("completions", rb'{"prompt": "a\ud800b", "max_tokens": 2}'),
+                   ("chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}')):
+    r = httpx.post(f"{url}/v1/{path}", content=body, headers={**H, "content-type": "application/json"})
+    print(f"lone surrogate ({path}): HTTP {r.status_code} {r.headers['content-type']}: {r.json()['error']['message']}")
 # 5. queue: 1 running + 2 waiting, then 503
 socks = [raw({"prompt": "a", "max_tokens": 30000})]
 while health()["running"] != 1: time.sleep(0.05)
@@ -51,3 +56,39 @@ try:
     proc.wait(30); print(f"SIGTERM: exited in {time.perf_counter()-t0:.2f}s (rc {proc.returncode})")
 except subprocess.TimeoutExpired:
     print("SIGTERM: still running after 30 s"); proc.kill()
+
+# 7. option values refused before anything loads (S11)
+for argv in (["--port", "99999"], ["--max-body-mb", "inf"], ["--shutdown-timeout", "nan"], ["--fail-every", "-1"]):
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "dflashkit.cli", "serve", *argv, f"target.path={model}"], capture_output=True,
+                       text=True, env=CHILD_ENV)
+    print(f"serve {' '.join(argv)}: exit {r.returncode} in {time.perf_counter()-t0:.1f}s: {r.stderr.strip()}")
+# 8. a host other machines reach, without a key (S12)
+p = subprocess.Popen([sys.executable, "-m", "dflashkit.cli", "serve", "--host", "0.0.0.0", "--port", "0", f"target.path={model}",
+                      "target.device=cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CHILD_ENV)
+line = ""
+while "listening on" not in line:
+    line = p.stdout.readline()
+    if "warning" in line: print("--host 0.0.0.0 without --api-key:", line.strip())
+p.terminate(); p.wait()
+# 9. SIGTERM to the whole process group, a streamed request in flight (S9)
+p = subprocess.Popen([sys.executable, "-m", "dflashkit.cli", "serve", "--port", "0", "--shutdown-timeout", "30",
+                      f"target.path={model}", "target.device=cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, env=CHILD_ENV, start_new_session=True)
+line = ""
+while "listening on" not in line:
+    line = p.stdout.readline()
+url = line.split("listening on", 1)[1].strip()
+body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+want = httpx.post(url + "/completions", json=body, timeout=120).json()["choices"][0]["text"]
+with httpx.stream("POST", url + "/completions", json=body | {"stream": True}, timeout=120) as r:
+    events = (json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {"))
+    got = [next(events)]
+    t0 = time.perf_counter(); os.killpg(p.pid, signal.SIGTERM)
+    got += list(events)
+done = time.perf_counter() - t0
+text = "".join(e["choices"][0]["text"] for e in got if "choices" in e)
+p.wait(60)
+print(f"SIGTERM to the process group: stream HTTP {r.status_code}, {'complete' if text == want else 'CUT'} "
+      f"({len(text)} of {len(want)} characters, errors: {[e['error']['message'] for e in got if 'error' in e]}), "
+      f"finished {done:.2f}s after the signal; server exited {time.perf_counter()-t0:.2f}s after it (rc {p.returncode})")
