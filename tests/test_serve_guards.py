@@ -450,6 +450,7 @@ def never_loaded(*_args, **_kw):
     (["--join-min-free", "0"], "--join-min-free 0: expected N >= 1"),
     (["--drafter", "d", "--ddtree-budget", "0"], "--ddtree-budget 0: expected a budget >= 1"),
     (["--ddtree-budget", "8"], "--ddtree-budget needs --drafter DIR"),
+    (["--acceptance", "match"], "--acceptance needs --drafter DIR"),
     (["--host", "no.such.host.invalid"], "--host no.such.host.invalid --port 0: cannot listen there"),
 ])
 def test_option_values_are_refused_before_anything_loads(argv, message, capsys, monkeypatch):
