@@ -57,7 +57,8 @@ def decode_all(args: argparse.Namespace) -> dict[str, Rows]:
                 for rule in ("match", "rejection") if temperature > 0 else ("match",):
                     t0 = time.perf_counter()
                     sampling = [Sampling(temperature, args.top_p, args.seed + i) for i in range(len(prompts))]
-                    gens = generate_batch(engine, prompts, max_new_tokens=suite.max_new_tokens, method=method,
+                    limit = min(suite.max_new_tokens, args.max_new_tokens or suite.max_new_tokens)
+                    gens = generate_batch(engine, prompts, max_new_tokens=limit, method=method,
                                           budget=budget, acceptance=rule, sampling=sampling, stop_ids=stops,
                                           rows=args.rows)
                     key = f"T{temperature:g}/{label}" + (f"/{rule}" if temperature > 0 else "")
@@ -103,6 +104,7 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--budget", type=int, default=64, help="DDTree's node budget (default 64)")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per suite")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap (default: each suite's own)")
     p.add_argument("--rows", type=int, default=8, help="prompts decoded at once (a row decodes as it would alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows and each prompt's (τ, rounds) here")

@@ -193,3 +193,17 @@ def test_eval_reports_both_rules_when_sampling():
     assert all(m["tokens"] == 12 and m["identical"] is None for m in methods.values())
     greedy = evaluate_online(target, {"d": drafter}, prompts, **kw)
     assert set(greedy["drafters"]["d"]["methods"]) == {"dflash", "ddtree-4"}
+
+
+def test_eval_temperatures_preset_on_a_gpu():
+    """`eval` without --temperature runs the preset `eval.temperatures` (greedy and sampled) on a
+    GPU, the one `eval.temperature` on a CPU; --temperature is the one run anywhere."""
+    import argparse
+
+    from dflashkit.config import load_config
+    from dflashkit.evaluate.command import temperatures
+
+    ec = load_config().eval
+    assert temperatures(argparse.Namespace(temperature=None), ec, "cuda") == [0.0, 0.7]
+    assert temperatures(argparse.Namespace(temperature=None), ec, "cpu") == [0.0]
+    assert temperatures(argparse.Namespace(temperature=1.0), ec, "cuda:1") == [1.0]

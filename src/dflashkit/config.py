@@ -147,7 +147,12 @@ class EvalConfig(_Section):
                               description="evaluation suites reported side by side when `prompts` is None")
     limit: Int | None = Field(None, ge=1, description="at most this many prompts per suite (or of `prompts`)")
     max_new_tokens: Int = Field(128, ge=1, description="answer length for `prompts` (each suite has its own)")
-    temperature: Float = Field(0.0, ge=0.0)
+    temperature: Float = Field(0.0, ge=0.0, description="online sampling temperature (0: greedy) on a CPU, or when "
+                               "`eval --temperature` is not given and the target is not on a GPU")
+    temperatures: list[Annotated[Float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
+        default_factory=lambda: [0.0, 0.7], min_length=1,
+        description="on a GPU, without `eval --temperature`: one evaluation per temperature, the first reported in "
+                    "--out, each other in --out/T<temperature> (greedy τ, then sampled τ under each --acceptance rule)")
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     ddtree_budgets: list[Int] = Field(default_factory=lambda: [8, 16, 32, 64], description="DDTree node budgets evaluated")
     ddtree_top_k: Int | None = Field(TOP_K, ge=1, description="DDTree's candidates per slot (None: the node budget)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,7 @@ def decoding_settings(args: argparse.Namespace, ec: Any) -> dict[str, Any]:
 
 
 def run_offline(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], settings: dict[str, Any],
-                device: str, cache: Any) -> dict[str, Any]:
+                device: str, cache: Any, out: Path) -> dict[str, Any]:
     """The offline report: each drafter over the feature cache (or its held-out split)."""
     from dflashkit.checkpoint import load_drafter
 
@@ -162,9 +162,9 @@ def online_inputs(args: argparse.Namespace, cfg: Any) -> OnlineInputs:
 
 
 def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], settings: dict[str, Any],
-               device: str, inputs: OnlineInputs) -> dict[str, Any]:
-    """The online report: the suites side by side (saved as each finishes), or one prompt set;
-    `settings` gains the prompts' and sampling's settings."""
+               device: str, inputs: OnlineInputs, out: Path) -> dict[str, Any]:
+    """The online report: the suites side by side (saved as each finishes in `out`/suites), or one
+    prompt set; `settings` gains the prompts' and sampling's settings."""
     from dflashkit.checkpoint import load_drafter
     from dflashkit.data.prompts import load_suite
     from dflashkit.target import load_target
@@ -184,7 +184,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
         report = evaluate_online(target, drafters, prompts, max_new_tokens=inputs.max_new_tokens, **kw)
         settings.update(prompts=inputs.source, max_new_tokens=inputs.max_new_tokens)
     else:
-        keep = Path(args.out) / "suites"
+        keep = out / "suites"
         log.info("each finished suite is saved in %s; after a stop, the same command with --resume continues", keep)
         report = evaluate_suites(target, drafters, [
             (s, eval_prompts(load_suite(s.name, inputs.limit), target.tokenizer, thinking=cfg.data.thinking))
@@ -211,18 +211,36 @@ def run(args: argparse.Namespace) -> int:
     settings = decoding_settings(args, cfg.eval)
     device = resolve_device(cfg.target.device)
     inputs = FeatureCache(args.features) if offline else online_inputs(args, cfg)
+    runs = [(inputs, Path(args.out))] if offline else [
+        (replace(inputs, sampling=replace(inputs.sampling, temperature=t)), Path(args.out) / (f"T{t:g}" if i else ""))
+        for i, t in enumerate(temperatures(args, cfg.eval, device))]
     # The lock is taken before any model loads: a second evaluation into the same --out (say two
     # --resume runs) is refused at once, not after all its work.
-    with output_directory(args.out, "eval", temp_dirs=("suites",)):
-        t0 = time.perf_counter()
-        report = (run_offline if offline else run_online)(args, cfg, paths, settings, device, inputs)
-        report.update(training_tau_sim(paths))
-        report.update(date=time.strftime("%Y-%m-%d %H:%M"), versions=versions(),
-                      target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
-                      device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
-                      drafter_paths={n: str(p) for n, p in paths.items()})
-        files = write_report(report, args.out)
+    with output_directory(args.out, "eval", temp_dirs=[str(out.relative_to(args.out) / "suites") for _, out in runs]):
+        for one, out in runs:
+            report_one(args, cfg, paths, dict(settings), device, one, out)
+    return 0
+
+
+def temperatures(args: argparse.Namespace, ec: Any, device: str) -> list[float]:
+    """The online evaluations' temperatures: --temperature; else, on a GPU, the preset
+    `eval.temperatures` (greedy and sampled τ in one command); else `eval.temperature`."""
+    if args.temperature is not None:
+        return [args.temperature]
+    return list(ec.temperatures) if device.startswith("cuda") else [ec.temperature]
+
+
+def report_one(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], settings: dict[str, Any], device: str,
+               inputs: Any, out: Path) -> None:
+    """One evaluation (online at one temperature, or offline) and its report in `out`."""
+    t0 = time.perf_counter()
+    report = (run_offline if args.features is not None else run_online)(args, cfg, paths, settings, device, inputs, out)
+    report.update(training_tau_sim(paths))
+    report.update(date=time.strftime("%Y-%m-%d %H:%M"), versions=versions(),
+                  target=str(cfg.target.path or "SmolLM2-135M-Instruct (default)"),
+                  device=device, settings=settings, seconds=round(time.perf_counter() - t0, 1),
+                  drafter_paths={n: str(p) for n, p in paths.items()})
+    files = write_report(report, out)
     print(markdown(report))
     print("wrote " + ", ".join(str(f) for f in files))
     check_partings(report)  # after the report is written: it holds every parting's margins
-    return 0
