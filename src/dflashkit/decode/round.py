@@ -12,16 +12,21 @@ token whose target features are not yet in the drafter's cache):
           node seeing the prefix and its ancestors; the target's own token at every node (its
           argmax, or a sample of its own distribution);
   accept  walk from the root while the target's token at the current node is a child: the
-          accepted path, and the target's token at its last node, the next bonus;
+          accepted path, and the target's token at its last node, the next bonus (the 'match'
+          rule); or, in a sampled round under the 'rejection' rule (`Method.acceptance`), trees
+          drawn from the drafter's distributions, accepted with min(1, p/q) (`accept.Rejection`);
   commit  keep the accepted path in the caches. The host learns each row's count when it reads
           the round (`Engine.settle`), which may be after the next round is launched.
 
-Nothing in a round waits for the host: its tokens come back in one copy (`Round.read`).
+Nothing in a round waits for the host but a sampled DDTree round under the rejection rule, which
+reads how many children its trees' nodes have (its walk's loop bounds): its tokens come back in
+one copy (`Round.read`).
 
-Lossless: every committed token is the target's argmax (greedy) or a sample of the target's own
-distribution drawn before looking at the draft ("accept while draft == target sample"), so the
-output is exactly what the target alone produces; the drafter only decides how many of those
-tokens one target pass yields.
+Lossless: every committed token is the target's argmax (greedy), a sample of the target's own
+distribution drawn before looking at the draft ("accept while draft == target sample"), or a
+draft token accepted by rejection sampling, whose output distribution is the target's
+(docs/conventions.md); the output is exactly what the target alone produces, and the drafter
+only decides how many of those tokens one target pass yields.
 """
 
 from __future__ import annotations
