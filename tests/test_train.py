@@ -400,3 +400,12 @@ def test_optimizer_state_on_the_host_trains_exactly_as_on_the_device_and_resumes
     mixed = tmp_path / "mixed"  # the device run's step-2 checkpoint, continued with the state on the host
     run_job(str(mixed), ["train.optimizer_state=host"], resume=str(dev / "checkpoints" / "step-00000002"))
     assert losses(mixed) == {k: v for k, v in losses(dev).items() if k > 2}
+
+
+def test_target_compile_default_is_on_for_attention_targets_off_for_hybrids():
+    from conftest import make_tiny_hybrid, make_tiny_target
+    from dflashkit.train import compile_target
+
+    dense, hybrid = make_tiny_target(), make_tiny_hybrid()
+    assert compile_target(None, dense) and not compile_target(None, hybrid)
+    assert compile_target(True, hybrid) and not compile_target(False, dense)

@@ -70,12 +70,11 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
-    @property
-    def sharded(self) -> bool:
-        """Its decoder layers are FSDP2 units over a job's ranks (`parallel.shard_target`)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        return any(isinstance(layer, FSDPModule) for layer in self.layers)
+    def compile_layers(self, upto: int) -> None:
+        """torch.compile decoder layers 0..upto in place (their parameter names stay): one graph
+        per layer class, the norms, rotary and activations fused around the GEMMs."""
+        for layer in list(self.layers)[: upto + 1]:
+            layer.compile()
 
     # ---- frozen pieces shared with the drafter ------------------------------------------
     def embed(self, ids: Tensor) -> Tensor:

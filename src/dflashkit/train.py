@@ -857,6 +857,15 @@ def resolve_precision(tcfg, device: torch.device) -> tuple[torch.dtype, str, boo
 BUDGET_PROVISIONAL_STEPS, BUDGET_REFIT_EVERY, BUDGET_WINDOW = 1000, 10, 50
 
 
+def compile_target(setting: bool | None, target: Any) -> bool:
+    """target.compile: None compiles targets whose layers are all attention and not sharded; a
+    hybrid's Gated DeltaNet layers call fla's Triton kernels, and compiling around them, or around
+    FSDP's gathers, is not measured."""
+    if setting is not None:
+        return setting
+    return "linear_attention" not in target.layer_kinds and not target.sharded
+
+
 def fit_total_steps(done: int, step_s: float, left_s: float, tc, d: Dist) -> int:
     """Steps that fit in `left_s` at `step_s` per step (evaluations included in the mean), keeping
     a little for the final save; every rank takes rank 0's answer so all run the same schedule."""
@@ -977,6 +986,8 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         log.info("resumed from %s at step %d", resume_dir, start)
 
     batcher = Batcher(samples, feature_layer_ids, target, dcfg, tc, cfg.data.max_length, device, dtype)
+    if batcher.online_layers is not None and device.type == "cuda" and compile_target(cfg.target.compile, target):
+        target.compile_layers(max(batcher.online_layers))
     metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
     if d.main:
         # The effective config, overrides applied: `dflashkit train --config` on it repeats the run.
