@@ -74,6 +74,7 @@ def shard_layers(target: Target, mesh: Any) -> None:
     fully_shard(decoder, mesh=mesh, ignored_params={p for p in decoder.parameters() if id(p) not in in_layers})
     for layer, following in zip(target.layers, target.layers[1:]):
         layer.set_modules_to_forward_prefetch([following])
+    target.sharded = True
 
 
 def shard_target(target: Target, device: torch.device) -> Target:

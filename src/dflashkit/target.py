@@ -46,6 +46,7 @@ class Target:
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layers = _decoder_layers(model)
         self.final_norm = _final_norm(model)
+        self.sharded = False  # its decoder layers are FSDP2 units over a job's ranks (`parallel.shard_layers`)
         # transformers renamed `past_key_values` to `cache` (5.24 warns); use what this version takes.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
