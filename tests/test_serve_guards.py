@@ -436,19 +436,19 @@ def never_loaded(*_args, **_kw):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--port", "99999"], "--port 99999: expected a port number 0..65535"),
-    (["--port", "-1"], "--port -1: expected a port number 0..65535"),
-    (["--max-body-mb", "inf"], "--max-body-mb inf: expected a finite size in megabytes"),
-    (["--max-body-mb", "nan"], "--max-body-mb nan: expected a finite size in megabytes"),
-    (["--max-body-mb", "0"], "--max-body-mb 0.0: expected a finite size in megabytes"),
-    (["--shutdown-timeout", "nan"], "--shutdown-timeout nan: expected a finite number of seconds >= 0"),
-    (["--shutdown-timeout", "-1"], "--shutdown-timeout -1.0: expected a finite number of seconds >= 0"),
-    (["--max-queue", "-1"], "--max-queue -1: expected N >= 0"),
-    (["--max-batch", "0"], "--max-batch 0: expected N >= 1"),
-    (["--fail-every", "-3"], "--fail-every -3: expected N >= 0"),
+    (["--port", "99999"], "argument --port: expected a port number 0..65535 (0: any free port), got '99999'"),
+    (["--port", "-1"], "argument --port: expected a port number 0..65535"),
+    (["--max-body-mb", "inf"], "argument --max-body-mb: expected a finite number > 0, got 'inf'"),
+    (["--max-body-mb", "nan"], "argument --max-body-mb: expected a finite number > 0, got 'nan'"),
+    (["--max-body-mb", "0"], "argument --max-body-mb: expected a finite number > 0, got '0'"),
+    (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: expected a finite number >= 0, got 'nan'"),
+    (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: expected a finite number >= 0, got '-1'"),
+    (["--max-queue", "-1"], "argument --max-queue: expected an integer >= 0, got '-1'"),
+    (["--max-batch", "0"], "argument --max-batch: expected an integer >= 1, got '0'"),
+    (["--fail-every", "-3"], "argument --fail-every: expected an integer >= 0, got '-3'"),
     (["--join-max-wait-ms", "nan"], "--join-max-wait-ms nan: expected MS >= 0"),
     (["--join-min-free", "0"], "--join-min-free 0: expected N >= 1"),
-    (["--drafter", "d", "--ddtree-budget", "0"], "--ddtree-budget 0: expected a budget >= 1"),
+    (["--drafter", "d", "--ddtree-budget", "0"], "argument --ddtree-budget: expected an integer >= 1, got '0'"),
     (["--ddtree-budget", "8"], "--ddtree-budget needs --drafter DIR"),
     (["--acceptance", "match"], "--acceptance needs --drafter DIR"),
     (["--host", "no.such.host.invalid"], "--host no.such.host.invalid --port 0: cannot listen there"),
@@ -458,9 +458,12 @@ def test_option_values_are_refused_before_anything_loads(argv, message, capsys, 
     from dflashkit.cli import main
 
     monkeypatch.setattr(serve, "EngineProcess", never_loaded)
-    assert main(["serve", "--port", "0", *argv]) == 1
+    try:
+        code = main(["serve", "--port", "0", *argv])
+    except SystemExit as e:  # argparse's usage error
+        code = e.code
     err = capsys.readouterr().err
-    assert err.startswith(f"dflashkit serve: error: {message}") and err.count("\n") == 1, err
+    assert code == 1 and err.startswith(f"dflashkit serve: error: {message}") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("host,key,warned", [("0.0.0.0", None, True), ("0.0.0.0", "k", False),

@@ -61,6 +61,11 @@ def non_negative_float(text: str) -> float:
     return _checked(text, float, lambda x: math.isfinite(x) and x >= 0, "a finite number >= 0")
 
 
+def port_number(text: str) -> int:
+    """argparse type of a TCP port (`serve --port`)."""
+    return _checked(text, int, lambda n: 0 <= n <= 65535, "a port number 0..65535 (0: any free port)")
+
+
 def probability(text: str) -> float:
     """argparse type of a probability mass in (0, 1] (`--top-p`)."""
     return _checked(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")

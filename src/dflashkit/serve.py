@@ -33,7 +33,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -997,16 +996,17 @@ def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import DRAFT_TOKENS_HELP, add_config_options, positive_int
+    from dflashkit.commands import (DRAFT_TOKENS_HELP, add_config_options, non_negative_float, non_negative_int,
+                                    port_number, positive_float, positive_int)
 
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000, help="0 = any free port (the chosen one is printed)")
+    p.add_argument("--port", type=port_number, default=8000, help="0 = any free port (the chosen one is printed)")
     p.add_argument("--model-name", help="model id clients pass as `model` (default: the target's path)")
-    p.add_argument("--fail-every", type=int, default=0, metavar="N",
+    p.add_argument("--fail-every", type=non_negative_int, default=0, metavar="N",
                    help="testing aid: answer every N-th generation request with HTTP 500")
     p.add_argument("--drafter", metavar="DIR", help="speculative decoding with this drafter (reference format); "
                    "acceptance statistics are added to each response's usage block")
-    p.add_argument("--ddtree-budget", type=int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
+    p.add_argument("--ddtree-budget", type=positive_int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
     p.add_argument("--cost-aware", action="store_true",
                    help="with --drafter: measure what verification costs at this batch size and verify only the draft "
                    "prefix that pays; draft at all only while drafting rounds give more tokens per second than "
@@ -1016,7 +1016,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --drafter: how sampled requests (temperature > 0) accept drafted tokens: rejection "
                    "(drafts drawn from the drafter, accepted with min(1, p/q); default) or match (the drafter's "
                    "likeliest tokens, accepted when equal to the target's sample); both exact")
-    p.add_argument("--max-batch", type=int, default=1, metavar="N",
+    p.add_argument("--max-batch", type=positive_int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")
     p.add_argument("--join-min-free", type=int, metavar="N",
@@ -1030,12 +1030,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
                    help="decoding engine: auto = the static runner where supported (CUDA graphs and torch.compile on a GPU, "
                    "packed weights on a CPU), else Transformers")
-    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+    p.add_argument("--max-queue", type=non_negative_int, default=64, metavar="N",
                    help="requests that may wait for the engine; beyond, HTTP 503 with Retry-After (0 = no limit)")
     p.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $DFLASHKIT_API_KEY)")
-    p.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB", help="request body limit (HTTP 413 beyond)")
-    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+    p.add_argument("--max-body-mb", type=positive_float, default=8.0, metavar="MB", help="request body limit (HTTP 413 beyond)")
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=5.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut")
     add_config_options(p)
 
@@ -1050,27 +1050,14 @@ def admission_from_args(args: argparse.Namespace) -> Admission:
     return Admission(min_free, args.join_max_wait_ms / 1000)
 
 
-def check_options(args: argparse.Namespace) -> None:
-    """Every option value of `serve`, before anything loads: one line naming the option and what
-    it expects."""
+def check_drafter_options(args: argparse.Namespace) -> None:
+    """Options that decide how a drafter drafts, refused without `--drafter` before anything loads
+    (each option's own range is its argparse type's)."""
     drafter_only = [("--ddtree-budget", args.ddtree_budget is not None), ("--cost-aware", args.cost_aware),
                     ("--draft-tokens", args.draft_tokens is not None), ("--acceptance", args.acceptance is not None)]
-    checks = [
-        (0 <= args.port <= 65535, f"--port {args.port}: expected a port number 0..65535 (0: any free port)"),
-        (args.max_batch >= 1, f"--max-batch {args.max_batch}: expected N >= 1"),
-        (args.max_queue >= 0, f"--max-queue {args.max_queue}: expected N >= 0 (0: no limit)"),
-        (args.fail_every >= 0, f"--fail-every {args.fail_every}: expected N >= 0 (0: no injected failures)"),
-        (math.isfinite(args.max_body_mb) and args.max_body_mb * 2**20 >= 1,
-         f"--max-body-mb {args.max_body_mb}: expected a finite size in megabytes, at least one byte"),
-        (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0,
-         f"--shutdown-timeout {args.shutdown_timeout}: expected a finite number of seconds >= 0"),
-        (args.ddtree_budget is None or args.ddtree_budget >= 1,
-         f"--ddtree-budget {args.ddtree_budget}: expected a budget >= 1"),
-        *((bool(args.drafter) or not given, f"{option} needs --drafter DIR") for option, given in drafter_only),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    for option, given in drafter_only:
+        if given and not args.drafter:
+            raise ValueError(f"{option} needs --drafter DIR")
 
 
 def bind_socket(host: str, port: int, api_key: str | None) -> socket.socket:
@@ -1101,7 +1088,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dflashkit.commands import config_from_args
 
-    check_options(args)
+    check_drafter_options(args)
     admission = admission_from_args(args)
     cfg = config_from_args(args)  # invalid settings fail here, before a process is started
     sock = bind_socket(args.host, args.port, args.api_key)
@@ -1110,7 +1097,7 @@ def run(args: argparse.Namespace) -> int:
                                admission)
         try:
             app = build_app(engine.served, engine, fail_every=args.fail_every, api_key=args.api_key or None,
-                            max_body_bytes=int(args.max_body_mb * 2**20))
+                            max_body_bytes=max(1, int(args.max_body_mb * 2**20)))
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                    timeout_graceful_shutdown=args.shutdown_timeout))
             engine.on_failure = lambda: setattr(server, "should_exit", True)  # read when the engine fails
