@@ -395,8 +395,10 @@ class FeatureCache:
         return [sid for k in range(len(self.manifest["shards"])) for sid in self._shard(k)[1]]
 
     def verify(self) -> list[str]:
-        """Shards whose sha256 differs from the manifest's (hashed on threads: hashlib releases the GIL)."""
-        shards = self.manifest["shards"]
+        """Shards whose sha256 differs from the manifest's, hashed on threads (hashlib releases the
+        GIL); under torchrun each rank hashes its share (shard k on rank k % world): one read in all."""
+        rank, world = _dist_rank_world()
+        shards = self.manifest["shards"][rank::world]
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
             digests = list(pool.map(lambda s: sha256_file(self.path / s["file"]), shards))
         return [f"{self.path / s['file']}: sha256 differs from the one the manifest records (damaged or replaced); "
