@@ -401,10 +401,20 @@ class CrashingTokenizer(GatedTokenizer):
         return self._tok(text, **kw)
 
 
+class UndecodableTokenizer(GatedTokenizer):
+    """The real tokenizer, except that it cannot decode (and has no fast backend to decode with)."""
+
+    backend_tokenizer = None
+
+    def decode(self, *_args, **_kw):
+        raise ValueError("undecodable")
+
+
 def test_every_error_body_is_json_and_lone_surrogates_are_refused(tokenizer):
     """JSON lets a lone surrogate ("\\ud800") into a string, which no tokenizer takes: a 400 that
     names the field, wherever the string stands. A bug inside the server is a 500 whose body is
-    JSON too, as is an unknown route."""
+    JSON too (in a stream whose headers are out: a JSON error event, then the stream's end), as is
+    an unknown route's 404."""
     with serving(build_app(served(CrashingTokenizer(tokenizer)), BatchWorker(Endless()))) as url:
         def post(path: str, body: bytes) -> httpx.Response:
             return httpx.post(f"{url}/v1/{path}", content=body, headers={"content-type": "application/json"},
@@ -429,6 +439,13 @@ def test_every_error_body_is_json_and_lone_surrogates_are_refused(tokenizer):
         r = httpx.get(f"{url}/v1/nothing-here", timeout=60)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         assert health(url)["status"] == "ok"  # and the server goes on
+    # A bug once a stream's headers are out: an error event in the stream, then its end.
+    with serving(build_app(served(UndecodableTokenizer(tokenizer)), BatchWorker(Endless()))) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}, timeout=60)
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+        assert json.loads(events[-2])["error"] == {"message": "internal server error: ValueError: undecodable",
+                                                   "type": "server_error", "code": 500}
 
 
 def never_loaded(*_args, **_kw):

@@ -873,11 +873,18 @@ async def _event_stream(reply: _Reply, include_usage: bool) -> AsyncIterator[str
                 if include_usage:
                     yield f"data: {json.dumps({**reply.base, 'choices': [], 'usage': reply.usage(st)})}\n\n"
     except APIError as e:  # headers are sent: report in-band, as OpenAI servers do
-        yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
+        yield _error_event(e.message, e.kind, e.status)
+    except Exception as e:  # a bug: the client still gets a JSON error and the stream's end
+        log.exception("streaming failed")
+        yield _error_event(f"internal server error: {type(e).__name__}: {e}", "server_error", 500)
     finally:
         reply.watcher.cancel()
         reply.job.cancel()
     yield "data: [DONE]\n\n"
+
+
+def _error_event(message: str, kind: str, status: int) -> str:
+    return f"data: {json.dumps({'error': {'message': message, 'type': kind, 'code': status}})}\n\n"
 
 
 def _merge_queued(job: _Job, first: GenerationChunk, held: list[Any]) -> tuple[list[int], str | None, dict]:
