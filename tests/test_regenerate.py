@@ -247,3 +247,16 @@ def test_resume_refuses_answers_of_another_prompt_text_or_target(tiny_dir, tmp_p
     before = {r["id"]: r for r in map(json.loads, first.splitlines())}
     after = records(out)
     assert after["a"]["target"]["name"] == str(other) and after["a"]["prompt_sha256"] == before["a"]["prompt_sha256"]
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_malformed_record(tiny_dir, tmp_path, capsys):
+    """JSON's "\\ud800" escape is no Unicode text: the record is skipped and named (file, line, field,
+    character), the other prompts are answered (before: an internal error in the tokenizer)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Say hi \\ud800."}\n{"id": "b", "prompt": "Name a fruit."}\n')
+    out = tmp_path / "o.jsonl"
+    assert cli_main(["regenerate", "--out", str(out), f"data.prompts={prompts}", f"target.path={tiny_dir}",
+                     "data.max_new_tokens=2", "target.device=cpu"]) == 0
+    res = capsys.readouterr().out
+    assert "1 answers written" in res and f"{prompts}:1: prompt: character 7 is a lone surrogate (U+D800)" in res
+    assert list(records(out)) == ["b"]

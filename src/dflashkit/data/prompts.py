@@ -428,6 +428,11 @@ def _sharegpt_messages(value: Any) -> list[dict]:
 def _text(value: Any, field: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _BadRecord(f"{field} is {_describe(value)}, expected a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800" escape: no tokenizer or UTF-8 file takes it
+        raise _BadRecord(f"{field}: character {e.start} is a lone surrogate (U+{ord(value[e.start]):04X}), "
+                         "not Unicode text") from None
     return value
 
 
