@@ -562,3 +562,22 @@ def test_the_engine_process_exits_when_the_server_process_is_killed_outright():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_serve_exits_with_the_engine_process_error(long_context_target):
+    """`dflashkit serve` whose engine's process dies stops and exits 1 naming the cause, so that a
+    supervisor restarts it (rather than being stopped as if by a signal, with no error)."""
+    proc = start_cli("serve", "--port", "0", f"target.path={long_context_target}", "target.device=cpu")
+    try:
+        _first_line_with(proc, "listening on")
+        children = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        engine = [pid for pid in children if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
+        assert len(engine) == 1, children
+        os.kill(engine[0], signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert proc.stdout.read().endswith("dflashkit serve: error: the engine process exited (code -9); see its "
+                                           "messages above\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
