@@ -248,6 +248,11 @@ def test_resume_refuses_answers_of_another_prompt_text_or_target(tiny_dir, tmp_p
     after = records(out)
     assert after["a"]["target"]["name"] == str(other) and after["a"]["prompt_sha256"] == before["a"]["prompt_sha256"]
 
+    tok = load_target(other).tokenizer  # tokenize trusts answers only under the template that rendered their prompts
+    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    with pytest.raises(ValueError, match=rf"{out}:1: answered by target '{other}', whose chat template is not this tokenizer's"):
+        tokenize_file(out, tok, tmp_path / "tok.jsonl", max_length=256)
+
 
 def test_a_lone_surrogate_in_a_prompt_is_a_malformed_record(tiny_dir, tmp_path, capsys):
     """JSON's "\\ud800" escape is no Unicode text: the record is skipped and named (file, line, field,

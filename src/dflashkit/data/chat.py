@@ -198,8 +198,8 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     Malformed lines are skipped and listed in `stats.problems` with their file and line number."""
     from dflashkit.data.prompts import load_prompts_report
 
+    generation = _generation_info(Path(regenerated_jsonl), tokenizer)
     convs, problems = load_prompts_report(str(regenerated_jsonl), limit=limit)
-    generation = _generation_info(Path(regenerated_jsonl), len(tokenizer))
     stats = TokenizeStats(conversations=len(convs), problems=problems)
     out = Path(out_jsonl)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -251,11 +251,20 @@ def tokenize_file(regenerated_jsonl: str | Path, tokenizer: Any, out_jsonl: str 
     return stats
 
 
-def _generation_info(path: Path, vocab: int) -> dict[str, tuple[str | None, list[int] | None]]:
+def template_sha256(tokenizer: Any) -> str:
+    """The chat template's hash: what renders a prompt, part of a regenerated answer's key."""
+    return hashlib.sha256(str(getattr(tokenizer, "chat_template", None) or "").encode()).hexdigest()
+
+
+def _generation_info(path: Path, tokenizer: Any) -> dict[str, tuple[str | None, list[int] | None]]:
     """id -> (finish_reason, the answer's generated ids without the stop token) from a regenerated
-    JSONL; empty for other conversation files. Generated ids must be token ids of this tokenizer
-    (`vocab` of them): they are trusted only where they spell the answer's text exactly."""
-    info = {}
+    JSONL; empty for other conversation files. Generated ids must be token ids of this tokenizer:
+    they are trusted only where they spell the answer's text exactly. A local answer records its
+    target's chat template, which must be this tokenizer's (the prompt the target read)."""
+    info: dict[str, tuple[str | None, list[int] | None]] = {}
+    if not path.is_file():  # the prompt loader names what is missing
+        return info
+    vocab, template = len(tokenizer), template_sha256(tokenizer)
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             try:
@@ -264,6 +273,10 @@ def _generation_info(path: Path, vocab: int) -> dict[str, tuple[str | None, list
                 continue  # reported by the prompt loader
             if not isinstance(rec, dict) or "finish_reason" not in rec:
                 continue
+            target = rec.get("target")
+            if isinstance(target, dict) and target.get("chat_template_sha256", template) != template:
+                raise ValueError(f"{path}:{lineno}: answered by target {target.get('name', '?')!r}, whose chat template "
+                                 "is not this tokenizer's; tokenize with the target's tokenizer (target.path)")
             ids = rec.get("completion_ids")
             if ids is not None and not _token_ids(ids, vocab):
                 raise ValueError(f"{path}:{lineno}: field 'completion_ids': expected a list of token ids in "

@@ -37,7 +37,7 @@ from typing import Any, TextIO
 import torch
 
 from dflashkit.checkpoint import complete_lines
-from dflashkit.data.chat import prompt_ids
+from dflashkit.data.chat import prompt_ids, template_sha256
 from dflashkit.data.prompts import Conversation
 from dflashkit.progress import progress
 
@@ -116,10 +116,8 @@ def target_key(target: Any) -> dict[str, str]:
     from dflashkit.data.features import target_identity
 
     ident = target_identity(target)
-    template = getattr(target.tokenizer, "chat_template", None) or ""
     return {"name": ident["name"], "config_sha256": ident["config_sha256"],
-            "weights_fingerprint": ident["weights_fingerprint"],
-            "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()}
+            "weights_fingerprint": ident["weights_fingerprint"], "chat_template_sha256": template_sha256(target.tokenizer)}
 
 
 @dataclass(frozen=True)
