@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +21,8 @@ from train_job import BASE, tiny_samples  # noqa: E402
 TARGETS: dict[str, Callable[[], Any]] = {"dense": make_tiny_target, "hybrid": make_tiny_hybrid}
 LAYERS = [1, 3, 5]
 TRAIN = [*BASE, "train.max_steps=20", "train.eval_every=10", "train.save_every=10", "train.eval_samples=4"]
-EXTRACT_SHARD_TOKENS = 120  # 7 shards: unequal shares over 2 and over 4 ranks
+EXTRACT_SHARD_TOKENS = 170  # 5 shards: unequal numbers of forwards over 2 and over 4 ranks
+EXTRACT_BATCH = 3
 
 
 def _own_batch(rank: int, vocab: int) -> torch.Tensor:
@@ -64,10 +66,18 @@ def extract_samples() -> list[Any]:
     return tiny_samples(24, seed=1)
 
 
+def forwards_per_rank(world: int) -> list[int]:
+    """How many target forwards each rank's shards of the extraction take."""
+    from dflashkit.data.features import plan_shards
+
+    shards = plan_shards([len(s.input_ids) for s in extract_samples()], EXTRACT_SHARD_TOKENS)
+    return [sum(-(-(end - start) // EXTRACT_BATCH) for start, end in shards[r::world]) for r in range(world)]
+
+
 def extract(target: Any, out: Path, rank: int | None = None, world: int | None = None) -> None:
     from dflashkit.data.features import extract_features
 
-    extract_features(target, extract_samples(), LAYERS, out, dtype="float32", batch_size=3,
+    extract_features(target, extract_samples(), LAYERS, out, dtype="float32", batch_size=EXTRACT_BATCH,
                      shard_size=EXTRACT_SHARD_TOKENS, rank=rank, world=world)
 
 
@@ -78,7 +88,7 @@ def extract_command(path: str, out: Path, rank: int) -> None:
     tokenized = out.parent / f"tokenized-rank{rank}.jsonl"
     tokenized.write_text("".join(json.dumps(s.__dict__) + "\n" for s in extract_samples()))
     code = cli_main(["extract", "--input", str(tokenized), "--out", str(out), "--shard-size", str(EXTRACT_SHARD_TOKENS),
-                     f"target.path={path}", "target.device=cpu", "target.parallel=shard", "data.batch_size=3",
+                     f"target.path={path}", "target.device=cpu", "target.parallel=shard", f"data.batch_size={EXTRACT_BATCH}",
                      "data.feature_dtype=float32", f"drafter.num_taps={len(LAYERS)}",
                      f"drafter.target_layer_ids={LAYERS}"])
     assert code == 0, code
@@ -105,6 +115,8 @@ def run_rank(rank: int, world: int, port: int, work: str, path: str, trained: li
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # Ranks whose collectives stopped pairing up fail in a minute, not gloo's default half hour.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     root = Path(work)
     try:
         result, whole = features(rank, path)
