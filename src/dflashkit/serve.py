@@ -725,7 +725,8 @@ async def _on_invalid_request(_request: Request, e: Any) -> Any:
 
 
 async def _on_http_error(_request: Request, e: Any) -> Any:
-    return _error(e.status_code, str(e.detail), kind="not_found_error" if e.status_code == 404 else "invalid_request_error")
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return _error(e.status_code, str(e.detail), kind=kind)
 
 
 async def _on_unexpected(_request: Request, e: Exception) -> Any:
@@ -745,7 +746,8 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 async def completions(req: CompletionRequest, request: Request) -> Any:
-    state, tok = _state(request), _state(request).served.tokenizer
+    state = _state(request)
+    tok = state.served.tokenizer
     _check_request_text(req)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -764,7 +766,8 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
 
 
 async def chat_completions(req: ChatRequest, request: Request) -> Any:
-    state, tok = _state(request), _state(request).served.tokenizer
+    state = _state(request)
+    tok = state.served.tokenizer
     _check_request_text(req)
     msgs = _chat_messages(req.messages)
     kw = dict(req.chat_template_kwargs or {})
@@ -1013,7 +1016,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="testing aid: answer every N-th generation request with HTTP 500")
     p.add_argument("--drafter", metavar="DIR", help="speculative decoding with this drafter (reference format); "
                    "acceptance statistics are added to each response's usage block")
-    p.add_argument("--ddtree-budget", type=positive_int, metavar="N", help="with --drafter: DDTree with N nodes (default: DFlash)")
+    p.add_argument("--ddtree-budget", type=positive_int, metavar="N",
+                   help="with --drafter: DDTree with N nodes (default: DFlash)")
     p.add_argument("--cost-aware", action="store_true",
                    help="with --drafter: measure what verification costs at this batch size and verify only the draft "
                    "prefix that pays; draft at all only while drafting rounds give more tokens per second than "
@@ -1041,7 +1045,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for the engine; beyond, HTTP 503 with Retry-After (0 = no limit)")
     p.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $DFLASHKIT_API_KEY)")
-    p.add_argument("--max-body-mb", type=positive_float, default=8.0, metavar="MB", help="request body limit (HTTP 413 beyond)")
+    p.add_argument("--max-body-mb", type=positive_float, default=8.0, metavar="MB",
+                   help="request body limit (HTTP 413 beyond)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=5.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut")
     add_config_options(p)
