@@ -1,10 +1,12 @@
 """`dflashkit serve` under abuse: clients that leave, a full queue, big bodies, wrong keys, lax
-fields, slow tokenisation, and SIGTERM with a long request in flight.
+fields, strings that are not Unicode, bugs (error bodies stay JSON), slow tokenisation, option
+values out of range, an open host without a key, SIGTERM to the server's process or its whole
+process group with requests in flight, and an engine's process that dies or is orphaned.
 
 Most tests run the app in this process over a generator that never ends by itself (so a request
 is in flight for as long as a test needs, and only a cancellation ends it); conditions are polled
-on /health, never timed. The SIGTERM test runs a real `dflashkit serve` on a tiny random target; the
-continuous-batching test runs the real round loop on one, in this process."""
+on /health, never timed. The stop tests run a real `dflashkit serve` on a tiny random target; the
+continuous-batching and seeded-sampling tests run the real round loop on one, in this process."""
 
 from __future__ import annotations
 
