@@ -9,6 +9,7 @@ then it is the real cost of sharding, and the memory column shows what a rank ho
 
     python benchmarks/bench_shard.py --shape qwen3-8b
     torchrun --nproc_per_node 8 benchmarks/bench_shard.py --shape qwen3.6-27b
+    python benchmarks/bench_shard.py --target smollm2   # a checkpoint: the loader too, features compared
     python benchmarks/bench_shard.py --tiny        # CPU smoke test of the same code (gloo)
 
 Per variant: ms per forward (mean over `--iters` after `--warmup`), tokens/s per rank, the memory
@@ -34,8 +35,8 @@ import torch.distributed as dist
 from bench_online import SHAPES, random_target
 from dflashkit.data.features import online_features
 from dflashkit.drafter import default_target_layer_ids
-from dflashkit.parallel import init_process_group, shard_layers, target_mesh
-from dflashkit.target import Target
+from dflashkit.parallel import init_process_group, load_sharded_target, shard_layers, target_mesh
+from dflashkit.target import Target, load_target
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int, cuda: bool) -> list[float]:
@@ -77,18 +78,56 @@ def measure(name: str, target: Target, ids: torch.Tensor, layer_ids: list[int], 
 
 def print_table(rows: list[dict]) -> None:
     cols = [("variant", 10), ("ranks", 6), ("ms", 9), ("ms min", 9), ("tok/s/rank", 11), ("held GiB", 9),
-            ("peak GiB", 9), ("gathered GiB", 13)]
+            ("peak GiB", 9), ("gathered GiB", 13), ("load peak GiB", 14), ("max diff", 10)]
     print("".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(cols)))
     for r in rows:
         vals = [r["ranks"], r["ms"], r["ms_min"], r["tokens_per_s_per_rank"], r["held_gib"], r["peak_gib"],
-                r["gathered_gib_per_forward"]]
+                r["gathered_gib_per_forward"], r.get("load_peak_gib", ""), r.get("max_abs_diff_to_whole", "")]
         print(f"{r['variant']:<10}" + "".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols[1:])))
+
+
+def random_rows(shape_name: str, seq: int, args: argparse.Namespace, device: torch.device, cuda: bool) -> list[dict]:
+    """A random target of the shape, whole, then its layers sharded in place."""
+    target = random_target(SHAPES[shape_name], device, torch.bfloat16 if cuda else torch.float32)
+    ids = own_batch(target, args.batch, seq, device)
+    layer_ids = default_target_layer_ids(target.num_layers, 5)
+    rows = [measure("whole", target, ids, layer_ids, args, cuda)]
+    shard_layers(target, target_mesh(device))
+    if cuda:
+        torch.cuda.empty_cache()
+    rows.append(measure("sharded", target, ids, layer_ids, args, cuda))
+    return rows
+
+
+def loaded_rows(path: str, seq: int, args: argparse.Namespace, device: torch.device, cuda: bool) -> list[dict]:
+    """A checkpoint loaded sharded (rank 0 reads, each rank keeps its shards: the peak while loading
+    is measured), then whole; the features of both on the same batch compared."""
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sharded = load_sharded_target(path, gguf_file=None, dtype="auto", device=device)
+    load_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    ids = own_batch(sharded, args.batch, seq, device)
+    layer_ids = default_target_layer_ids(sharded.num_layers, 5)
+    row = measure("sharded", sharded, ids, layer_ids, args, cuda)
+    row["load_peak_gib"] = round(load_peak, 2) if load_peak is not None else None
+    got = online_features(sharded, ids, layer_ids)
+    whole = load_target(path, device=device)
+    want = online_features(whole, ids, layer_ids)
+    row["max_abs_diff_to_whole"] = float((got.float() - want.float()).abs().max())
+    return [measure("whole", whole, ids, layer_ids, args, cuda), row]
+
+
+def own_batch(target: Target, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own micro-batch
+    return torch.randint(0, target.vocab_size, (batch, seq), generator=g).to(device)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b", choices=[s for s in SHAPES if s != "tiny"])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized hybrid target (smoke test)")
+    ap.add_argument("--target", help="a checkpoint (directory, .gguf, or a testbed name such as smollm2) loaded "
+                    "sharded and whole, instead of a random target of --shape")
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per forward (a micro-batch)")
     ap.add_argument("--iters", type=int, default=10)
@@ -96,29 +135,20 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_shard_<shape>.json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    rank = int(os.environ.get("RANK", "0"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # one process without torchrun: a group of one
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     init_process_group(device)
-    shape_name = "tiny" if args.tiny else args.shape
+    name = Path(args.target).name if args.target else "tiny" if args.tiny else args.shape
     seq = min(args.seq, 128) if args.tiny else args.seq
-    target = random_target(SHAPES[shape_name], device, dtype)
-    layer_ids = default_target_layer_ids(target.num_layers, 5)
-    g = torch.Generator().manual_seed(rank)  # each rank its own micro-batch
-    ids = torch.randint(0, target.vocab_size, (args.batch, seq), generator=g).to(device)
-    rows = [measure("whole", target, ids, layer_ids, args, cuda)]
-    shard_layers(target, target_mesh(device))
-    if cuda:
-        torch.cuda.empty_cache()
-    rows.append(measure("sharded", target, ids, layer_ids, args, cuda))
-    if rank == 0:
+    rows = (loaded_rows(args.target, seq, args, device, cuda) if args.target
+            else random_rows(name, seq, args, device, cuda))
+    if dist.get_rank() == 0:
         report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                  "shape": shape_name, "seq": seq, "batch": args.batch, "date": time.strftime("%Y-%m-%d"), "runs": rows}
-        out = Path(args.out) / f"bench_shard_{shape_name}.json"
+                  "target": name, "seq": seq, "batch": args.batch, "date": time.strftime("%Y-%m-%d"), "runs": rows}
+        out = Path(args.out) / f"bench_shard_{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
         print_table(rows)
