@@ -905,9 +905,81 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume, probes or {}, stop)
 
 
+@dataclass
+class Run:
+    """One training run's parts, built whole by `_setup` (and `_resume`) before the loop."""
+
+    cfg: Any
+    d: Dist
+    out_dir: Path
+    dtype: torch.dtype
+    compiled: bool
+    dcfg: DrafterConfig
+    trainer: Trainer
+    batcher: Batcher
+    metrics: MetricsLog
+    identity: dict[str, str]
+    train_idx: list[int]
+    eval_idx: list[int]
+    eval_groups: dict[str, list[int]]
+    probe_idx: dict[str, list[int]]
+    total: int  # steps; a time-budgeted run re-fits it as it learns its step time
+    start: int
+    best: dict[str, Any]  # {"tau_sim", "step", ...} of best/
+
+
 def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, samples: Sequence[Any] | None,
            feature_layer_ids: list[int] | None, resume: bool | str | None, probes: dict[str, Sequence[Any]],
            stop: list[int]) -> Path:
+    run = _setup(cfg, d, want, target, samples, feature_layer_ids, resume, probes)
+    if run.eval_idx and run.start == 0 and cfg.drafter.init_from:
+        # Fine-tuning: the starting drafter is a candidate too, so that best/ is never worse on
+        # the held-out split than what training started from (best.json says step 0 then).
+        _evaluate(run, 0)
+    _loop(run, stop, t_begin)
+    return _finish(run)
+
+
+def _new_or_loaded_drafter(cfg, target: Any, resume_dir: Path | None) -> DFlashDrafter:
+    if resume_dir is not None:
+        return load_drafter(resume_dir, target)
+    if cfg.drafter.init_from:
+        drafter = load_drafter(cfg.drafter.init_from, target)
+        return grow(drafter, cfg.drafter.grow_layers) if cfg.drafter.grow_layers else drafter
+    from dflashkit.drafter import new_drafter
+
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    drafter = new_drafter(target, cfg.drafter)
+    problems = target_problems(drafter.config, target)  # what `generate` and `serve` would refuse
+    if problems:
+        raise ValueError("drafter settings do not fit target " f"{target.name}: " + "; ".join(problems))
+    return drafter
+
+
+def _with_probes(cfg, target: Any, samples: Sequence[Any], probes: dict[str, Sequence[Any]]
+                 ) -> tuple[Sequence[Any], dict[str, list[int]]]:
+    """The probe sets appended after the training set (so that its split and schedule stay as they
+    are), and their indices."""
+    tc = cfg.train
+    if (probes or tc.probes) and hasattr(samples, "ids"):
+        raise ValueError("train.probes: probes need features computed online; data.features gives cached ones only")
+    if not probes and tc.probes:
+        from dflashkit.data.regenerate import probe_sets
+
+        probes = probe_sets(tc.probes, target, cfg.data.max_new_tokens)
+    probe_idx: dict[str, list[int]] = {}
+    if probes:
+        samples = list(samples)
+        for name, group in probes.items():
+            probe_idx[name] = list(range(len(samples), len(samples) + len(group)))
+            samples += list(group)
+    return samples, probe_idx
+
+
+def _setup(cfg, d: Dist, want: torch.device, target: Any, samples: Sequence[Any] | None,
+           feature_layer_ids: list[int] | None, resume: bool | str | None,
+           probes: dict[str, Sequence[Any]]) -> Run:
+    """Target, data, drafter, trainer and batcher; the resumed state when there is one."""
     tc = cfg.train
     device = torch.device("cuda", d.local_rank) if want.type == "cuda" and d.world > 1 else want
     out_dir = Path(tc.output_dir)
@@ -921,41 +993,15 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     if len(samples) < 2:
         source = cfg.data.features or cfg.data.tokenized
         raise ValueError(f"train: {source + ': ' if source else ''}{len(samples)} training sequence(s); need at least 2")
-
     resume_dir = find_resume(out_dir, resume)
-    if resume_dir is not None:
-        drafter = load_drafter(resume_dir, target)
-    elif cfg.drafter.init_from:
-        drafter = load_drafter(cfg.drafter.init_from, target)
-        if cfg.drafter.grow_layers:
-            drafter = grow(drafter, cfg.drafter.grow_layers)
-    else:
-        from dflashkit.drafter import new_drafter
-
-        torch.manual_seed(tc.seed)  # identical initial weights on every rank
-        drafter = new_drafter(target, cfg.drafter)
-        problems = target_problems(drafter.config, target)  # what `generate` and `serve` would refuse
-        if problems:
-            raise ValueError("drafter settings do not fit target " f"{target.name}: " + "; ".join(problems))
+    drafter = _new_or_loaded_drafter(cfg, target, resume_dir)
     dcfg = drafter.config
     check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
-
     ids = sample_ids(samples)
-    identity = run_identity(target, ids)
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
     eval_groups = held_out_groups(ids, eval_idx)
-    if (probes or tc.probes) and hasattr(samples, "ids"):
-        raise ValueError("train.probes: probes need features computed online; data.features gives cached ones only")
-    if not probes and tc.probes:
-        from dflashkit.data.regenerate import probe_sets
-
-        probes = probe_sets(tc.probes, target, cfg.data.max_new_tokens)
-    probe_idx: dict[str, list[int]] = {}
-    if probes:  # after the training set, so that its split and schedule stay as they are
-        samples = list(samples)
-        for name, group in probes.items():
-            probe_idx[name] = list(range(len(samples), len(samples) + len(group)))
-            samples += list(group)
+    identity = run_identity(target, ids)
+    samples, probe_idx = _with_probes(cfg, target, samples, probes)
     total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_idx) / tc.batch_size))
     if tc.time_budget_s and not tc.max_steps:
         total = BUDGET_PROVISIONAL_STEPS  # re-fitted to the budget from the first timed step on
@@ -964,31 +1010,15 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         raise ValueError(f"target {target.name}: an LM head with a bias is not supported")
     trainer = Trainer(drafter, target.embed, head.weight, tc, total, device=device, dtype=dtype, d=d,
                       backend=backend, compile=compile_)
-    start, best = 0, {"tau_sim": -1.0, "step": None}
-    if resume_dir is not None:
-        state = load_training_state(resume_dir)
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"{resume_dir}/training_state.pt: version {state.get('version')}, expected {STATE_VERSION}")
-        if tc.time_budget_s:  # the fitted length of the interrupted run
-            total = state["total_steps"]
-            trainer.set_total_steps(total)
-        for key, now in (("batch_size", tc.batch_size), ("num_train", len(train_idx)), ("total_steps", total)):
-            if state[key] != now:
-                raise ValueError(f"--resume: the checkpoint was trained with {key}={state[key]}, this run has {now}; "
-                                 "the data position cannot be carried over")
-        changed = [RUN_IDENTITY[k] for k, v in identity.items() if k in state and state[k] != v]
-        if changed:
-            raise ValueError(f"--resume: {resume_dir} was trained with another {' and '.join(changed)} than this run's; "
-                             "resume with the same ones, or start afresh with --overwrite")
-        trainer.load_state_dict(state)
-        _set_rng_state(state["rng"])
-        start, best = state["step"], state["best"]
-        log.info("resumed from %s at step %d", resume_dir, start)
-
     batcher = Batcher(samples, feature_layer_ids, target, dcfg, tc, cfg.data.max_length, device, dtype)
     if batcher.online_layers is not None and device.type == "cuda" and compile_target(cfg.target.compile, target):
         target.compile_layers(max(batcher.online_layers))
+    start, best = 0, {"tau_sim": -1.0, "step": None}
+    if resume_dir is not None:
+        start, best, total = _resume(cfg, trainer, resume_dir, total, len(train_idx), identity)
     metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
+    run = Run(cfg, d, out_dir, dtype, compile_, dcfg, trainer, batcher, metrics, identity, train_idx, eval_idx,
+              eval_groups, probe_idx, total, start, best)
     if d.main:
         # The effective config, overrides applied: `dflashkit train --config` on it repeats the run.
         atomic_write_bytes(out_dir / "config.yaml", (f"# {versions()}, {time.strftime('%Y-%m-%d %H:%M')}\n"
@@ -997,113 +1027,158 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         log.info("training %s: %d steps of %d sequences (%d train, %d held out), %s attention, %s, %s",
                  f"{dcfg.num_hidden_layers}-layer drafter", total, tc.batch_size, len(train_idx), len(eval_idx),
                  backend, str(dtype).removeprefix("torch."), procs)
+    return run
 
-    def checkpoint(step: int) -> None:
-        full = trainer.state_dict()
-        check_finite(step, {}, full["params"])
-        if d.main:
-            state = {"version": STATE_VERSION, "step": step, "total_steps": total, "batch_size": tc.batch_size,
-                     "num_train": len(train_idx), "best": best, "rng": _rng_state(), "config": cfg.model_dump(),
-                     **identity, **full}
-            save_checkpoint(out_dir, step, export_drafter(dcfg, full["params"], dtype), state, tc.keep_last)
 
-    bar = progress(total=total, initial=start, desc="train", unit="step", disable=not d.main)
+def _resume(cfg, trainer: Trainer, resume_dir: Path, total: int, num_train: int, identity: dict[str, str]
+            ) -> tuple[int, dict[str, Any], int]:
+    """The checkpoint's optimiser, schedule and RNG restored, once it is known to be this run's;
+    -> (step, best, total steps)."""
+    tc = cfg.train
+    state = load_training_state(resume_dir)
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"{resume_dir}/training_state.pt: version {state.get('version')}, expected {STATE_VERSION}")
+    if tc.time_budget_s:  # the fitted length of the interrupted run
+        total = state["total_steps"]
+        trainer.set_total_steps(total)
+    for key, now in (("batch_size", tc.batch_size), ("num_train", num_train), ("total_steps", total)):
+        if state[key] != now:
+            raise ValueError(f"--resume: the checkpoint was trained with {key}={state[key]}, this run has {now}; "
+                             "the data position cannot be carried over")
+    changed = [RUN_IDENTITY[k] for k, v in identity.items() if k in state and state[k] != v]
+    if changed:
+        raise ValueError(f"--resume: {resume_dir} was trained with another {' and '.join(changed)} than this run's; "
+                         "resume with the same ones, or start afresh with --overwrite")
+    trainer.load_state_dict(state)
+    _set_rng_state(state["rng"])
+    log.info("resumed from %s at step %d", resume_dir, state["step"])
+    return state["step"], state["best"], total
+
+
+def _checkpoint(run: Run, step: int) -> None:
+    tc, full = run.cfg.train, run.trainer.state_dict()
+    check_finite(step, {}, full["params"])
+    if run.d.main:
+        state = {"version": STATE_VERSION, "step": step, "total_steps": run.total, "batch_size": tc.batch_size,
+                 "num_train": len(run.train_idx), "best": run.best, "rng": _rng_state(),
+                 "config": run.cfg.model_dump(), **run.identity, **full}
+        save_checkpoint(run.out_dir, step, export_drafter(run.dcfg, full["params"], run.dtype), state, tc.keep_last)
+
+
+def _held_out(run: Run, idx: list[int]) -> dict[str, Any]:
+    return run.trainer.evaluate((run.batcher.build(items, held_out=True), counted)
+                                for items, counted in eval_items(idx, run.cfg.train.micro_batch_size, run.d))
+
+
+def _evaluate(run: Run, done: int) -> None:
+    """Held-out metrics at step `done`; `best/` follows the highest tau_sim."""
+    ev = _held_out(run, run.eval_idx)
+    run.metrics.log(done, "eval", ev)
+    check_finite(done, {"loss": ev["loss"]})
+    if run.d.main:
+        log.info("eval step %d: tau_sim %.3f (rounds replayed %.3f) acc %.3f loss %.4f (per slot %s)", done,
+                 ev["tau_sim"], ev["tau_rounds"], ev["acc"], ev["loss"], ev["slot_acc"])
+    if ev["tau_sim"] <= run.best["tau_sim"]:
+        return
+    best = {"tau_sim": ev["tau_sim"], "step": done}
+    if run.eval_groups:  # per suite, for comparison with online τ suite by suite
+        best["tau_sim_by_suite"] = {g: _held_out(run, idx)["tau_sim"] for g, idx in run.eval_groups.items()}
+    if run.probe_idx:  # decoding rounds replayed on each probe set: what online decoding of it averages
+        best["tau_rounds_probes"] = {name: _held_out(run, idx)["tau_rounds"] for name, idx in run.probe_idx.items()}
+    run.best = best
+    params = run.trainer.full_params()
+    check_finite(done, {}, params)
+    if run.d.main:
+        replace_dir(run.out_dir / "best", lambda p: save_drafter(export_drafter(run.dcfg, params, run.dtype), p))
+        atomic_write_json(run.out_dir / "best.json", best)
+
+
+def _stop(run: Run, step: int, signum: int, bar: Any) -> TrainingStopped:
+    if step > run.start and step % run.cfg.train.save_every:  # the step just done has no checkpoint yet
+        _checkpoint(run, step)
+    bar.close()
+    run.metrics.close()
+    if run.d.world > 1:
+        dist.barrier()  # every rank leaves once rank 0 has written the checkpoint
+    return TrainingStopped(step, signum, run.out_dir)
+
+
+def _refit_budget(run: Run, done: int, step_s: list[float], eval_s: list[float], t_begin: float, bar: Any) -> None:
+    """A time-budgeted run's length, re-fitted every step at first, then every few: the median step
+    time ignores the steps that compile for new shapes (fitted to one of them, a budget ends a run
+    after a few steps), and the evaluations measured so far are spread over the steps between them."""
+    tc = run.cfg.train
+    fit_from = run.start + 2
+    if run.start != 0 or done < fit_from or not (done < run.start + BUDGET_REFIT_EVERY or done % BUDGET_REFIT_EVERY == 0):
+        return
+    per_step = statistics.median(step_s[-BUDGET_WINDOW:])
+    if eval_s and run.eval_idx:
+        per_step += statistics.fmean(eval_s) / tc.eval_every
+    run.total = fit_total_steps(done, per_step, tc.time_budget_s - (time.perf_counter() - t_begin), tc, run.d)
+    run.trainer.set_total_steps(run.total)
+    bar.total = run.total
+    bar.refresh()
+    if run.d.main and done in (fit_from, run.start + BUDGET_REFIT_EVERY):
+        log.info("time budget %.0fs: about %d steps fit (%.3f s per step)", tc.time_budget_s, run.total, per_step)
+
+
+def _loop(run: Run, stop: list[int], t_begin: float) -> None:
+    """Steps from `run.start` to `run.total`: train, log, evaluate, save; a stop signal saves and raises."""
+    tc, d = run.cfg.train, run.d
+    bar = progress(total=run.total, initial=run.start, desc="train", unit="step", disable=not d.main)
     t_last, tokens = time.perf_counter(), 0.0
-    def held_out(idx: list[int]) -> dict[str, Any]:
-        return trainer.evaluate((batcher.build(items, held_out=True), counted)
-                                for items, counted in eval_items(idx, tc.micro_batch_size, d))
-
-    def evaluate(done: int) -> None:
-        """Held-out metrics at step `done`; `best/` follows the highest tau_sim."""
-        nonlocal best
-        ev = held_out(eval_idx)
-        metrics.log(done, "eval", ev)
-        check_finite(done, {"loss": ev["loss"]})
-        if d.main:
-            log.info("eval step %d: tau_sim %.3f (rounds replayed %.3f) acc %.3f loss %.4f (per slot %s)", done,
-                     ev["tau_sim"], ev["tau_rounds"], ev["acc"], ev["loss"], ev["slot_acc"])
-        if ev["tau_sim"] > best["tau_sim"]:
-            best = {"tau_sim": ev["tau_sim"], "step": done}
-            if eval_groups:  # per suite, for comparison with online τ suite by suite
-                best["tau_sim_by_suite"] = {g: held_out(idx)["tau_sim"] for g, idx in eval_groups.items()}
-            if probe_idx:  # decoding rounds replayed on each probe set: what online decoding of it averages
-                best["tau_rounds_probes"] = {name: held_out(idx)["tau_rounds"] for name, idx in probe_idx.items()}
-            params = trainer.full_params()
-            check_finite(done, {}, params)
-            if d.main:
-                replace_dir(out_dir / "best", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
-                atomic_write_json(out_dir / "best.json", best)
-
-    if eval_idx and start == 0 and cfg.drafter.init_from:
-        # Fine-tuning: the starting drafter is a candidate too, so that best/ is never worse on
-        # the held-out split than what training started from (best.json says step 0 then).
-        evaluate(0)
-    fit_from = start + 2 if tc.time_budget_s and start == 0 else None
     step_s: list[float] = []  # seconds per training step, evaluations and saves apart
     eval_s: list[float] = []
-    step = start
-    while step < total:
+    step = run.start
+    while step < run.total:
         # Asked before each step, so that a signal that came while the data loaded stops before the first.
         if signum := stop_requested(stop, d):
-            if step > start and step % tc.save_every:  # the step just done has no checkpoint yet
-                checkpoint(step)
-            bar.close()
-            metrics.close()
-            if d.world > 1:
-                dist.barrier()  # every rank leaves once rank 0 has written the checkpoint
-            raise TrainingStopped(step, signum, out_dir)
+            raise _stop(run, step, signum, bar)
         t_step = time.perf_counter()
-        groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, train_idx, tc.seed)
-        stats = trainer.step((batcher.build(g) for g in groups), len(groups))
+        groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, run.train_idx, tc.seed)
+        stats = run.trainer.step((run.batcher.build(g) for g in groups), len(groups))
         step = done = step + 1
         step_s.append(time.perf_counter() - t_step)
-        if d.main and done == start + 1 and compile_:
+        if d.main and done == run.start + 1 and run.compiled:
             log.info("step %d took %.1f s, most of it compiling the drafter's layers (later steps reuse them)",
                      done, step_s[-1])
-        if fit_from is not None and done >= fit_from and (done < start + BUDGET_REFIT_EVERY or done % BUDGET_REFIT_EVERY == 0):
-            # Re-fitted every step at first, then every few: the median step time ignores the
-            # steps that compile for new shapes (fitted to one of them, a budget ends a run after a few steps),
-            # and the evaluations measured so far are spread over the steps between them.
-            per_step = statistics.median(step_s[-BUDGET_WINDOW:])
-            if eval_s and eval_idx:
-                per_step += statistics.fmean(eval_s) / tc.eval_every
-            total = fit_total_steps(done, per_step, tc.time_budget_s - (time.perf_counter() - t_begin), tc, d)
-            trainer.set_total_steps(total)
-            bar.total = total
-            bar.refresh()
-            if d.main and done in (fit_from, start + BUDGET_REFIT_EVERY):
-                log.info("time budget %.0fs: about %d steps fit (%.3f s per step)", tc.time_budget_s, total, per_step)
+        if tc.time_budget_s:
+            _refit_budget(run, done, step_s, eval_s, t_begin, bar)
         check_finite(done, stats)
         tokens += stats.pop("block_tokens")
         bar.update(1)
-        bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tau=f"{max(best['tau_sim'], 0):.2f}")
-        if done % tc.log_every == 0 or done == total:
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tau=f"{max(run.best['tau_sim'], 0):.2f}")
+        if done % tc.log_every == 0 or done == run.total:
             now = time.perf_counter()
             stats["block_tokens_per_s"] = tokens / (now - t_last)
             t_last, tokens = now, 0.0
-            metrics.log(done, "train", stats)
+            run.metrics.log(done, "train", stats)
             if d.main:
-                log.info("step %d/%d loss %.4f acc %.3f lr %.2e grad-norm %.3f %.0f block-tokens/s", done, total,
+                log.info("step %d/%d loss %.4f acc %.3f lr %.2e grad-norm %.3f %.0f block-tokens/s", done, run.total,
                          stats["loss"], stats["acc"], stats["lr"], stats["grad_norm"], stats["block_tokens_per_s"])
-        if eval_idx and (done % tc.eval_every == 0 or done == total):
+        if run.eval_idx and (done % tc.eval_every == 0 or done == run.total):
             t_eval = time.perf_counter()
-            evaluate(done)
+            _evaluate(run, done)
             eval_s.append(time.perf_counter() - t_eval)
-        if done % tc.save_every == 0 or done == total:
-            checkpoint(done)
+        if done % tc.save_every == 0 or done == run.total:
+            _checkpoint(run, done)
     bar.close()
-    if start < total or not (out_dir / "final").exists():
-        params = trainer.full_params()
-        check_finite(step, {}, params)
-        if d.main:
-            replace_dir(out_dir / "final", lambda p: save_drafter(export_drafter(dcfg, params, dtype), p))
-    metrics.close()
-    if d.main and metrics.path.is_file():
-        plot_curves(metrics.path, out_dir / "curves.png")
-        log.info("done: %s (best tau_sim %.3f at step %s)", out_dir / "final", best["tau_sim"], best["step"])
-    if d.world > 1:
+
+
+def _finish(run: Run) -> Path:
+    """final/ (unless a resumed run had nothing left to do and it exists), the curves, a barrier."""
+    if run.start < run.total or not (run.out_dir / "final").exists():
+        params = run.trainer.full_params()
+        check_finite(max(run.start, run.total), {}, params)
+        if run.d.main:
+            replace_dir(run.out_dir / "final", lambda p: save_drafter(export_drafter(run.dcfg, params, run.dtype), p))
+    run.metrics.close()
+    if run.d.main and run.metrics.path.is_file():
+        plot_curves(run.metrics.path, run.out_dir / "curves.png")
+        log.info("done: %s (best tau_sim %.3f at step %s)", run.out_dir / "final", run.best["tau_sim"], run.best["step"])
+    if run.d.world > 1:
         dist.barrier()
-    return out_dir
+    return run.out_dir
 
 
 # ---- CLI -------------------------------------------------------------------------------------
