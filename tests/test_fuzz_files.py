@@ -210,6 +210,21 @@ def test_training_state_values_are_checked(tiny_target, tmp_path, field, value, 
         load_training_state(tmp_path / "ck")
 
 
+def test_a_cut_sums_file_leaves_nothing_unchecked(checkpoint, tmp_path):
+    """SHA256SUMS cut at a line's end (it lists config and weights, not the training state): the
+    state it no longer lists is refused, not loaded unchecked; an emptied one refuses every file."""
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint[0], ck)
+    lines = (ck / SUMS).read_text().splitlines(keepends=True)
+    (ck / SUMS).write_text("".join(n for n in lines if "training_state" not in n))
+    load_drafter(ck)
+    with pytest.raises(CheckpointError, match=r"ck/training_state.pt: not listed in .*SHA256SUMS"):
+        load_training_state(ck)
+    (ck / SUMS).write_text("")
+    with pytest.raises(CheckpointError, match=r"ck/config.json: not listed in"):
+        load_drafter(ck)
+
+
 def test_checkpoint_config_values_are_checked(tiny_target, tmp_path):
     save_drafter(make_tiny_drafter(tiny_target), tmp_path / "ck")
     (tmp_path / "ck" / SUMS).unlink()

@@ -150,11 +150,11 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype
     return path
 
 
-def recorded_sums(directory: Path) -> dict[str, str]:
-    """name -> sha256 from `directory`/SHA256SUMS; {} when there is none (published drafters)."""
+def recorded_sums(directory: Path) -> dict[str, str] | None:
+    """name -> sha256 from `directory`/SHA256SUMS; None when there is none (published drafters)."""
     f = directory / SUMS
     if not f.is_file():
-        return {}
+        return None
     sums = {}
     try:
         lines = f.read_bytes().decode("utf-8").splitlines()
@@ -170,9 +170,16 @@ def recorded_sums(directory: Path) -> dict[str, str]:
 
 
 def verify_file(path: Path) -> None:
-    """`path` against the SHA-256 that SHA256SUMS beside it records, when it records one."""
-    want = recorded_sums(path.parent).get(path.name)
-    if want is not None and sha256_file(path) != want:
+    """`path` against the SHA-256 that SHA256SUMS beside it records, when there is one (a file it
+    does not list is refused: a cut SHA256SUMS must not leave the rest unchecked)."""
+    sums = recorded_sums(path.parent)
+    if sums is None:
+        return
+    want = sums.get(path.name)
+    if want is None:
+        raise CheckpointError(f"{path}: not listed in {path.parent / SUMS} (damaged, or the file was put there later); "
+                              f"restore it, or delete {SUMS} to use the directory unchecked")
+    if sha256_file(path) != want:
         raise CheckpointError(f"{path}: differs from the SHA-256 recorded in {path.parent / SUMS} (damaged or edited "
                               f"since it was written); restore it, or delete {SUMS} to use it as it is")
 
@@ -302,7 +309,7 @@ def join_drafter(parts: str | Path, out: str | Path) -> Path:
     """`split_drafter`'s parts -> the drafter directory `out` (config.json + model.safetensors +
     SHA256SUMS), each file checked against SHA256SUMS before it is written."""
     parts, out = Path(parts), Path(out)
-    sums = recorded_sums(parts)
+    sums = recorded_sums(parts) or {}
     pieces = sorted(parts.glob(f"{WEIGHTS}.part*"))
     files = {CONFIG: (parts / CONFIG).read_bytes(), WEIGHTS: b"".join(p.read_bytes() for p in pieces)}
     for name, data in files.items():
