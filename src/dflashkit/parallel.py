@@ -115,28 +115,23 @@ def load_sharded_target(path: str | None, *, gguf_file: str | None, dtype: str, 
 @torch.no_grad()
 def _scatter_from_rank0(model: nn.Module, source: nn.Module | None) -> None:
     """Fill `model` (sharded, allocated, uninitialised) with rank 0's `source` tensors, by name:
-    a sharded tensor's shards scattered, a whole one broadcast."""
+    a sharded tensor's shards scattered, a whole one broadcast into place."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     values = dict(source.named_parameters(remove_duplicate=False)) | dict(source.named_buffers()) if source else {}
-    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
-    for name, t in tensors:
-        if isinstance(t, DTensor):
-            whole = _rank0_value(values.get(name), t.shape, t.dtype, t.device_mesh.device_type)
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        value = values.get(name)
+        if value is not None and value.shape != t.shape:
+            raise RuntimeError(f"target tensor {name}: shape {tuple(value.shape)} in the checkpoint, "
+                               f"{tuple(t.shape)} in the model")
+        if isinstance(t, DTensor):  # the other ranks pass an empty whole: only rank 0's data is scattered
+            where = dict(dtype=t.dtype, device=t.device_mesh.device_type)
+            whole = value.to(**where) if value is not None else torch.empty(t.shape, **where)
             t.copy_(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=0))
         else:
-            whole = _rank0_value(values.get(name), t.shape, t.dtype, t.device.type)
-            dist.broadcast(whole, 0)
-            t.copy_(whole)
-
-
-def _rank0_value(value: Tensor | None, shape: torch.Size, dtype: torch.dtype, device: str) -> Tensor:
-    """Rank 0's tensor on `device` (the collective's); on the other ranks a buffer of its shape to receive it."""
-    if value is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if value.shape != shape:
-        raise RuntimeError(f"target tensor shape {tuple(value.shape)} differs from the model's {tuple(shape)}")
-    return value.to(device=device, dtype=dtype)
+            if value is not None:
+                t.copy_(value)
+            dist.broadcast(t, 0)
 
 
 def _sharding(tcfg: Any) -> bool:
