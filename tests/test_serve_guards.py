@@ -470,7 +470,7 @@ def never_loaded(*_args, **_kw):
     (["--drafter", "d", "--ddtree-budget", "0"], "argument --ddtree-budget: expected an integer >= 1, got '0'"),
     (["--ddtree-budget", "8"], "--ddtree-budget needs --drafter DIR"),
     (["--acceptance", "match"], "--acceptance needs --drafter DIR"),
-    (["--host", "no.such.host.invalid"], "--host no.such.host.invalid --port 0: cannot listen there"),
+    (["--host", "192.0.2.1"], "--host 192.0.2.1 --port 0: cannot listen there (Cannot assign requested address)"),
 ])
 def test_option_values_are_refused_before_anything_loads(argv, message, capsys, monkeypatch):
     from dflashkit import serve
