@@ -121,9 +121,10 @@ def _scatter_from_rank0(model: nn.Module, source: nn.Module | None) -> None:
     values = dict(source.named_parameters(remove_duplicate=False)) | dict(source.named_buffers()) if source else {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
         value = values.get(name)
-        if value is not None and value.shape != t.shape:
-            raise RuntimeError(f"target tensor {name}: shape {tuple(value.shape)} in the checkpoint, "
-                               f"{tuple(t.shape)} in the model")
+        if source is not None and (value is None or value.shape != t.shape):
+            got = "missing" if value is None else f"of shape {tuple(value.shape)}"
+            raise RuntimeError(f"target tensor {name}: {got} in the loaded model, {tuple(t.shape)} in the one "
+                               "built from its config")
         if isinstance(t, DTensor):  # the other ranks pass an empty whole: only rank 0's data is scattered
             where = dict(dtype=t.dtype, device=t.device_mesh.device_type)
             whole = value.to(**where) if value is not None else torch.empty(t.shape, **where)
