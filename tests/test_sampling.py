@@ -9,7 +9,9 @@ from datahelpers import one_thread  # noqa: F401
 from test_decode import _chi2_pvalue
 
 from dflashkit.decode import accept
-from dflashkit.decode.accept import Settings, chain_walk, expected_acceptance, sampled_draft, tree_walk, uniforms
+from dflashkit.decode.accept import (Settings, chain_walk, expected_acceptance, sampled_tokens, tree_walk, uniforms,
+                                    widths)
+from dflashkit.decode.tree import candidates, draft_trees
 from dflashkit.decode.generation import Sampling, distribution, draw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,12 +61,15 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
     first = None
     while (count < STEPS).any():
         seeds = torch.randint(0, 2**62, (N,), generator=g)
-        draft = sampled_draft(model.drafter(last, before), last, budget, None, settings, seeds)
-        nodes = torch.cat([last[:, None], draft.trees.tokens], 1)  # [N, m+1]: the bonus, then the nodes
-        parents = torch.cat([before[:, None], nodes.gather(1, draft.trees.parents)], 1)
+        dlogits = model.drafter(last, before)
+        shape = draft_trees(dlogits, last, budget, None)[0]  # the match rule's trees
+        tokens, q = sampled_tokens(dlogits, shape, 1 if budget is None else candidates(budget, None, V), settings, seeds)
+        trees = shape._replace(tokens=tokens)
+        nodes = torch.cat([last[:, None], tokens], 1)  # [N, m+1]: the bonus, then the nodes
+        parents = torch.cat([before[:, None], nodes.gather(1, trees.parents)], 1)
         logits = model.target(nodes, parents)
-        walked = chain_walk(draft.trees.tokens, draft.q, logits, settings, seeds) if budget is None else \
-            tree_walk(draft.trees, draft.q, draft.widths, logits, settings, seeds)
+        walked = chain_walk(tokens, q, logits, settings, seeds) if budget is None else \
+            tree_walk(trees, q, widths(trees, S), logits, settings, seeds)
         first = walked.accepted.double().mean().item() if first is None else first
         for j in range(walked.new.shape[1]):
             put = (j <= walked.accepted) & (count + j < STEPS)

@@ -11,12 +11,13 @@ chance is 1 − TV(p, q), and the output is still exactly the target's distribut
                    pass, so q does not depend on the tokens drawn before it and the rule applies
                    slot by slot along the accepted prefix; after a fully accepted block the bonus
                    token comes from p.
-  trees (DDTree)   the tree's shape (how many children each node has) is the best-first tree of
-                   q's sorted probabilities, a function of q alone; the children of a node at
-                   depth d are, in order, the first draws of one sample of slot d's q without
-                   replacement (Gumbel-top-k); the walk runs recursive rejection sampling over
-                   them (Jeon et al. 2024): accept the i-th child with min(1, p_i/q_i), else go on
-                   with p_{i+1} = norm(max(0, p_i − q_i)) and q_{i+1} = q_i without the child.
+  trees (DDTree)   the tree's shape (how many children each node has) is the match rule's
+                   best-first tree, a function of the drafter's logits alone; the children of a
+                   node at depth d are, in order, the first draws of one sample of slot d's q
+                   without replacement (Gumbel-top-k); the walk runs recursive rejection sampling
+                   over them (Jeon et al. 2024): accept the i-th child with min(1, p_i/q_i), else
+                   go on with p_{i+1} = norm(max(0, p_i − q_i)) and q_{i+1} = q_i without the
+                   child.
 
 p and q are both the request's temperature- and top-p-adjusted distributions
 (`generation.distribution`). Greedy rows are not for this module: at temperature 0 the match
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode.generation import Sampling, distribution, draw
-from dflashkit.decode.tree import Trees, Walk, best_first, candidates, chains, verification, walk
+from dflashkit.decode.tree import Trees, Walk, candidates, walk
 from dflashkit.method import Method
 
 if TYPE_CHECKING:
@@ -98,19 +99,6 @@ class Settings(NamedTuple):
         return Settings(self.temperature.view(shape), self.top_p.view(shape) if isinstance(self.top_p, Tensor) else 1.0)
 
 
-class SampledDraft(NamedTuple):
-    """A draft for the rejection rule: each row's tree and its `tree.verification` tensors, the
-    drafter's adjusted distributions q [b, S, V] and, per depth, the most children any node at
-    that depth has (host ints: the walk's loop bounds)."""
-
-    trees: Trees
-    tokens: Tensor
-    depths: Tensor
-    ancestors: Tensor
-    q: Tensor
-    widths: list[int]
-
-
 def sibling_rank(parents: Tensor) -> Tensor:
     """parents [b, m] -> [b, m]: how many earlier nodes share each node's parent (its place
     among its siblings, in node order)."""
@@ -120,36 +108,33 @@ def sibling_rank(parents: Tensor) -> Tensor:
     return (same & earlier).sum(-1)
 
 
-def _widths(trees: Trees, depth: int) -> list[int]:
-    """Per depth 0..depth-1 of a parent, the most children any node at that depth has."""
-    b, m = trees.tokens.shape
-    counts = torch.zeros(b, m + 1, dtype=torch.long, device=trees.parents.device)
-    counts.scatter_add_(1, trees.parents, torch.ones_like(trees.parents))
-    parent_depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1)  # [b, m+1]
+def widths(shape: Trees, depth: int) -> list[int]:
+    """Per depth 0..depth-1 of a parent, the most children any node of the trees at that depth
+    has (host ints: `tree_walk`'s loop bounds; the one host read of a sampled DDTree round)."""
+    b, m = shape.tokens.shape
+    counts = torch.zeros(b, m + 1, dtype=torch.long, device=shape.parents.device)
+    counts.scatter_add_(1, shape.parents, torch.ones_like(shape.parents))
+    parent_depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1)  # [b, m+1]
     per = torch.zeros(b, depth + 1, dtype=torch.long, device=counts.device)
     per.scatter_reduce_(1, parent_depth.clamp(max=depth), counts, "amax")
     return per.amax(0)[:depth].tolist()
 
 
-def sampled_draft(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int | None, settings: Settings,
-                  seeds: Tensor) -> SampledDraft:
-    """The drafter's logits [b, S, V] -> the rejection rule's draft (budget None: DFlash's chain
-    of one sample per slot; else DDTree's tree of `budget` nodes, its shape the best-first tree
-    of each slot's top-`top_k` probabilities, its tokens draws without replacement)."""
+def sampled_tokens(dlogits: Tensor, shape: Trees, k: int, settings: Settings, seeds: Tensor) -> tuple[Tensor, Tensor]:
+    """The drafter's logits [b, S, V] and the trees the match rule drafts from them (`shape`:
+    `tree.draft_trees`, k candidates per slot) -> (the rejection rule's tokens for the same
+    nodes [b, m], the drafter's adjusted distributions q [b, S, V]). A node of depth d that is
+    its parent's r-th child (`sibling_rank`) takes the r-th draw of one sample of slot d's q
+    without replacement (Gumbel-top-k: the order of log q + Gumbel noise); a chain's nodes take
+    one draw of each slot. The shape is a function of the drafter's logits alone, as the walk's
+    proof needs, and the match rule's own: as bushy where the drafter is unsure, whatever the
+    temperature."""
     b, S, V = dlogits.shape
-    q = distribution(dlogits, *settings.rows(S))  # [b, S, V]
-    k = 1 if budget is None else candidates(budget, top_k, V)
+    q = distribution(dlogits, *settings.rows(S))
     gumbel = -torch.log(-torch.log(uniforms(seeds, _DRAFT, (S, V))))
-    drawn = (q.log() + gumbel.float()).topk(k, dim=-1).indices  # [b, S, k]: Gumbel-top-k, in order
-    if budget is None:
-        lp = q.max(-1).values.log()  # the chain's confidence (cost-aware drafting reads it)
-        trees = chains(drawn[..., 0], lp.cumsum(1))
-        return SampledDraft(trees, *verification(bonus, trees, chain=True), q, [1] * S)
-    shape = best_first(*q.log().topk(k, dim=-1), budget)
+    drawn = (q.log() + gumbel.float()).topk(k, dim=-1).indices  # [b, S, k]: draws without replacement, in order
     slot = (shape.depths - 1)[..., None].expand(-1, -1, k)
-    tokens = drawn.gather(1, slot).gather(2, sibling_rank(shape.parents)[..., None])[..., 0]
-    trees = Trees(tokens, shape.parents, shape.depths, shape.scores)
-    return SampledDraft(trees, *verification(bonus, trees), q, _widths(trees, S))
+    return drawn.gather(1, slot).gather(2, sibling_rank(shape.parents)[..., None])[..., 0], q
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -223,7 +208,7 @@ def _recursive_rejection(p: Tensor, q: Tensor, kids: Tensor, tokens: Tensor, u: 
 def tree_walk(trees: Trees, q: Tensor, widths: list[int], logits: Tensor, settings: Settings, seeds: Tensor) -> Walk:
     """The rejection rule down each row's tree (recursive rejection sampling at every node of
     the path, `_recursive_rejection`): q [b, S, V] the drafter's distributions, widths
-    (`SampledDraft.widths`) the walk's bounds, the target's logits [b, m+1, V] at the bonus and
+    (`widths`) the walk's bounds, the target's logits [b, m+1, V] at the bonus and
     every node -> the `tree.Walk`."""
     b, m = trees.tokens.shape
     if m == 0:  # (cost-aware decoding verified the bonus alone: a chain of no node)
@@ -263,12 +248,13 @@ def _step(at: _Node, d: int, chosen: Tensor, tokens: Tensor, drawn: Tensor) -> _
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
     greedily (their trees and walk are the match rule's: exact at temperature 0), and, once the
-    draft is made, the drafter's distributions and the walk's bounds (`SampledDraft`)."""
+    draft is made, the drafter's distributions q [b, S, V] and (trees) the walk's bounds."""
 
     settings: Settings
     seeds: Tensor
     greedy: Tensor | None  # [b] bool; None: every row samples
-    sampled: SampledDraft | None = None
+    q: Tensor | None = None
+    widths: list[int] | None = None
 
     @classmethod
     def of(cls, method: Method, samplings: Sequence[Sampling], gens: Sequence[random.Random | None],
@@ -281,27 +267,27 @@ class Rejection:
         mask = torch.tensor(greedy, device=device) if any(greedy) else None
         return cls(Settings.of(samplings, device), round_seeds(gens, device), mask)
 
-    def draft(self, draft: Draft, bonus: Tensor, method: Method) -> Draft:
-        """The engine's draft with each sampling row's tree drawn from the drafter's
-        distributions (`sampled_draft`); greedy rows keep theirs."""
-        new = sampled_draft(draft.logits, bonus, method.tree_budget, method.top_k, self.settings, self.seeds)
+    def draft(self, draft: Draft, method: Method) -> Draft:
+        """The engine's draft with each sampling row's tokens drawn from the drafter's
+        distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
+        S, V = draft.logits.shape[1:]
+        k = 1 if method.chain else candidates(method.budget or 1, method.top_k, V)
+        tokens, self.q = sampled_tokens(draft.logits, draft.trees, k, self.settings, self.seeds)
         if self.greedy is not None:
-            keep = self.greedy[:, None]
-            trees = Trees(*(torch.where(keep, g, s) for g, s in zip(draft.trees, new.trees)))
-            widths = _widths(trees, draft.logits.shape[1]) if not method.chain else new.widths
-            new = SampledDraft(trees, *verification(bonus, trees, chain=method.chain), new.q, widths)
-        self.sampled = new
-        return draft._replace(trees=new.trees, tokens=new.tokens, depths=new.depths, ancestors=new.ancestors)
+            tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
+        self.widths = None if method.chain else widths(draft.trees, S)
+        return draft._replace(trees=draft.trees._replace(tokens=tokens), tokens=torch.cat([draft.tokens[:, :1], tokens], 1))
 
     def walk(self, trees: Trees, anc: Tensor, logits: Tensor, chain: bool) -> Walk:
         """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that
         cost-aware decoding verified) over the target's logits [b, m+1, V]: `chain_walk` or
         `tree_walk`; greedy rows walk by the match rule."""
-        assert self.sampled is not None, "Rejection.walk follows Rejection.draft"
+        assert self.q is not None, "Rejection.walk follows Rejection.draft"
         if chain:
-            walked = chain_walk(trees.tokens, self.sampled.q, logits, self.settings, self.seeds)
+            walked = chain_walk(trees.tokens, self.q, logits, self.settings, self.seeds)
         else:
-            walked = tree_walk(trees, self.sampled.q, self.sampled.widths, logits, self.settings, self.seeds)
+            assert self.widths is not None
+            walked = tree_walk(trees, self.q, self.widths, logits, self.settings, self.seeds)
         if self.greedy is None:
             return walked
         matched = walk(trees, anc, logits.argmax(-1), chain)
