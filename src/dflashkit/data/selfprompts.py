@@ -145,16 +145,10 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     batches): an interrupted run resumes there and writes what an uninterrupted one writes, and a
     finished run's prompts are read back instead of written again. Each chunk ends with its batch
     draining (rows left idle as its last messages finish), so chunks are large."""
-    from dflashkit.decode.generation import Sampling
-    from dflashkit.decode.loop import generate_batch, make_engine
-    from dflashkit.vocab import stop_token_ids
-
     spec = spec or read_spec()
-    sampling, weights, openers, turns, names = spec.sampling, spec.weights, spec.openers, spec.turns, list(spec.weights)
     if count < 1:
         raise ValueError(f"self:{count}: expected a positive number of prompts")
     batch_size = batch_size or (256 if target.device.type == "cuda" else 16)
-    chunk = chunk or 64 * batch_size
     saved = progress_file(keep, target, count, seed, spec.text) if keep is not None else None
     if saved is not None:
         saved.parent.mkdir(parents=True, exist_ok=True)
@@ -162,111 +156,138 @@ def write_prompts(target: Any, count: int, *, near_eval: Callable[[str], bool] |
     if state is not None and state.get("conversations") is not None:
         log.info("self:%d: the %d prompts written earlier, read from %s", count, len(state["conversations"]), saved)
         return [Conversation(**c) for c in state["conversations"]]
-    tok = target.tokenizer
-    stops = set(stop_token_ids(tok, getattr(target.model, "generation_config", None)))
-    engine = make_engine(target, None)
-    quota = quotas(count, weights)
-    seed += SEED
-    r = random.Random(seed)
-    made: dict[str, list[list[dict]]] = {c: [] for c in names}
-    seen: set[str] = set()
-    tried = dict.fromkeys(names, 0)
-    first_round, resume_at, start, factor = 0, 0, None, dict.fromkeys(names, FIRST_FACTOR)
-    if state is not None:  # the round under way when it stopped, rebuilt from that round's start
-        made = {c: state["made"][c] for c in names}
-        seen, tried, start = set(state["seen"]), dict(state["round_start"]["tried"]), state["round_start"]
-        usable_in_round, factor = dict(state["usable"]), dict(start["factor"])
-        first_round, resume_at = state["round"], state["done"]
-        r.setstate((start["random"][0], tuple(start["random"][1]), start["random"][2]))
-        log.info("self:%d: resuming from %s (%d written)", count, saved, sum(map(len, made.values())))
-
-    def sample(prefixes: list[str], keys: list[str] | None) -> list[tuple[str, bool]]:
-        """(text, finished) per prefix: the target's continuation up to its end of turn, sampled
-        from the random stream each key names, or greedy (an answer) when `keys` is None."""
-        limit = sampling["max_new_tokens"] if keys else sampling.get("answer_tokens", 256)
-        modes = [Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{seed}:{k}".encode()))
-                 for k in keys] if keys else None
-        gens = generate_batch(engine, [torch.tensor(encode(tok, p)) for p in prefixes], rows=batch_size,
-                              method="ar", max_new_tokens=limit, sampling=modes, stop_ids=stops)
-        return [(tok.decode(g.tokens[:-1] if g.finish_reason == "stop" else g.tokens, skip_special_tokens=True),
-                 g.finish_reason == "stop") for g in gens]
-
-    def usable(text: str, finished: bool, conversation: str) -> bool:
-        """A finished message of 3+ words, new, and away from every evaluation prompt (then remembered)."""
-        norm = re.sub(r"\s+", " ", text.strip().lower())
-        if not finished or len(norm.split()) < 3 or "\ufffd" in text or norm in seen:
-            return False
-        if near_eval is not None and near_eval(conversation):
-            return False
-        seen.add(norm)
-        return True
-
-    opening = user_turn_prefix(tok, [])  # what every first message follows
-
-    def write(drafts: list[_Draft]) -> Counter[str]:
-        """Write the drafts' messages; keep the usable conversations in `made` (up to each category's
-        quota). Returns how many were usable per category."""
-        firsts = sample([opening + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
-        kept = []
-        for d, (text, done) in zip(drafts, firsts):
-            message = (d.opener + text).strip()
-            if usable(message, done, message):
-                d.messages = [{"role": "user", "content": message}]
-                kept.append(d)
-        two = [d for d in kept if turns[d.category] == 2]
-        if two:  # the target answers the first message, then writes the follow-up
-            answers = sample([render(tok, d.messages, generation_prompt=True) for d in two], None)
-            for d, (text, _) in zip(two, answers):
-                d.messages.append({"role": "assistant", "content": text.strip()})
-            follow = sample([user_turn_prefix(tok, d.messages) for d in two], [f"{d.key}:2" for d in two])
-            for d, (text, done) in zip(two, follow):
-                d.messages.append({"role": "user", "content": text.strip()})
-                if not usable(text, done, "\n".join(m["content"] for m in d.messages)):
-                    d.messages = []
-        kept = [d for d in kept if d.messages]
-        for d in kept:
-            if len(made[d.category]) < quota[d.category]:
-                made[d.category].append(d.messages)
-        return Counter(d.category for d in kept)
-
-    bar = progress(total=count, initial=sum(map(len, made.values())), desc="write prompts", unit="prompt")
-    t0 = time.perf_counter()
-    for rnd in range(first_round, ROUNDS):
-        if rnd != first_round or start is None:
-            start = {"random": r.getstate(), "tried": dict(tried), "made": {c: len(made[c]) for c in names},
-                     "factor": dict(factor)}
-            usable_in_round = dict.fromkeys(names, 0)
-        drafts = []  # what was missing when the round started, times its factor
-        for c in names:
-            for _ in range(math.ceil(start["factor"][c] * (quota[c] - start["made"][c]))):
-                tried[c] += 1
-                drafts.append(_Draft(c, r.choice(openers[c]), f"{c}:{tried[c]}", []))
-        if not drafts:
-            break
-        for i in range(resume_at if rnd == first_round else 0, len(drafts), chunk):
-            for c, n in write(drafts[i:i + chunk]).items():
-                usable_in_round[c] += n
-            bar.n = sum(map(len, made.values()))
-            bar.refresh()
-            if saved is not None:
-                _save(saved, {"round": rnd, "done": min(i + chunk, len(drafts)), "round_start": start,
-                              "usable": usable_in_round, "made": made, "seen": sorted(seen)})
-        log.info("self-written prompts, round %d: %d of %d written (%d usable of %d tried), %.1f s", rnd + 1,
-                 sum(map(len, made.values())), count, sum(usable_in_round.values()), len(drafts),
-                 time.perf_counter() - t0)
-        for c in names:
-            if tried[c] > start["tried"][c]:
-                share = usable_in_round[c] / (tried[c] - start["tried"][c])
-                factor[c] = min(MAX_FACTOR, MARGIN / share) if share else MAX_FACTOR
-    bar.close()
-    short = {c: quota[c] - len(made[c]) for c in names if len(made[c]) < quota[c]}
+    w = _Writer(target, spec, count, seed + SEED, batch_size, near_eval)
+    _write_rounds(w, state, saved, chunk or 64 * batch_size)
+    short = {c: w.quota[c] - len(w.made[c]) for c in w.names if len(w.made[c]) < w.quota[c]}
     if short:
         raise RuntimeError(f"self:{count}: the target wrote too few usable prompts after {ROUNDS} rounds "
                            f"(missing per category: {short}); check its chat template, or ask for fewer")
-    convs = [Conversation(f"self-{c}-{i:05d}", m, "self") for i, (c, m) in enumerate(interleave(made, r), 1)]
+    convs = [Conversation(f"self-{c}-{i:05d}", m, "self") for i, (c, m) in enumerate(interleave(w.made, w.random), 1)]
     if saved is not None:
         _save(saved, {"conversations": [vars(c) for c in convs]})
     return convs
+
+
+class _Writer:
+    """The target writing user messages: its engine, the prompts kept so far per category, the
+    messages seen (no duplicates) and the random stream the openers are drawn from."""
+
+    def __init__(self, target: Any, spec: Spec, count: int, seed: int, batch_size: int,
+                 near_eval: Callable[[str], bool] | None) -> None:
+        from dflashkit.decode.loop import make_engine
+        from dflashkit.vocab import stop_token_ids
+
+        self.tok, self.spec, self.seed, self.batch_size, self.near_eval = target.tokenizer, spec, seed, batch_size, near_eval
+        self.stops = set(stop_token_ids(self.tok, getattr(target.model, "generation_config", None)))
+        self.engine = make_engine(target, None)
+        self.names = list(spec.weights)
+        self.quota = quotas(count, spec.weights)
+        self.random = random.Random(seed)
+        self.made: dict[str, list[list[dict]]] = {c: [] for c in self.names}
+        self.seen: set[str] = set()
+        self.tried = dict.fromkeys(self.names, 0)
+        self.opening = user_turn_prefix(self.tok, [])  # what every first message follows
+
+    def sample(self, prefixes: list[str], keys: list[str] | None) -> list[tuple[str, bool]]:
+        """(text, finished) per prefix: the target's continuation up to its end of turn, sampled
+        from the random stream each key names, or greedy (an answer) when `keys` is None."""
+        from dflashkit.decode.generation import Sampling
+        from dflashkit.decode.loop import generate_batch
+
+        sampling = self.spec.sampling
+        limit = sampling["max_new_tokens"] if keys else sampling.get("answer_tokens", 256)
+        modes = [Sampling(sampling["temperature"], sampling["top_p"], seed=zlib.crc32(f"{self.seed}:{k}".encode()))
+                 for k in keys] if keys else None
+        gens = generate_batch(self.engine, [torch.tensor(encode(self.tok, p)) for p in prefixes], rows=self.batch_size,
+                              method="ar", max_new_tokens=limit, sampling=modes, stop_ids=self.stops)
+        return [(self.tok.decode(g.tokens[:-1] if g.finish_reason == "stop" else g.tokens, skip_special_tokens=True),
+                 g.finish_reason == "stop") for g in gens]
+
+    def usable(self, text: str, finished: bool, conversation: str) -> bool:
+        """A finished message of 3+ words, new, and away from every evaluation prompt (then remembered)."""
+        norm = re.sub(r"\s+", " ", text.strip().lower())
+        if not finished or len(norm.split()) < 3 or "\ufffd" in text or norm in self.seen:
+            return False
+        if self.near_eval is not None and self.near_eval(conversation):
+            return False
+        self.seen.add(norm)
+        return True
+
+    def write(self, drafts: list[_Draft]) -> Counter[str]:
+        """Write the drafts' messages; keep the usable conversations in `made` (up to each category's
+        quota). Returns how many were usable per category."""
+        firsts = self.sample([self.opening + d.opener for d in drafts], [f"{d.key}:1" for d in drafts])
+        kept = []
+        for d, (text, done) in zip(drafts, firsts):
+            message = (d.opener + text).strip()
+            if self.usable(message, done, message):
+                d.messages = [{"role": "user", "content": message}]
+                kept.append(d)
+        two = [d for d in kept if self.spec.turns[d.category] == 2]
+        if two:  # the target answers the first message, then writes the follow-up
+            answers = self.sample([render(self.tok, d.messages, generation_prompt=True) for d in two], None)
+            for d, (text, _) in zip(two, answers):
+                d.messages.append({"role": "assistant", "content": text.strip()})
+            follow = self.sample([user_turn_prefix(self.tok, d.messages) for d in two], [f"{d.key}:2" for d in two])
+            for d, (text, done) in zip(two, follow):
+                d.messages.append({"role": "user", "content": text.strip()})
+                if not self.usable(text, done, "\n".join(m["content"] for m in d.messages)):
+                    d.messages = []
+        kept = [d for d in kept if d.messages]
+        for d in kept:
+            if len(self.made[d.category]) < self.quota[d.category]:
+                self.made[d.category].append(d.messages)
+        return Counter(d.category for d in kept)
+
+    def drafts(self, start: dict) -> list[_Draft]:
+        """What was missing when the round started, times its factor, each with an opener."""
+        out = []
+        for c in self.names:
+            for _ in range(math.ceil(start["factor"][c] * (self.quota[c] - start["made"][c]))):
+                self.tried[c] += 1
+                out.append(_Draft(c, self.random.choice(self.spec.openers[c]), f"{c}:{self.tried[c]}", []))
+        return out
+
+    def written(self) -> int:
+        return sum(map(len, self.made.values()))
+
+
+def _write_rounds(w: _Writer, state: dict | None, saved: Path | None, chunk: int) -> None:
+    """Rounds over what is missing, each drafting its factor times that (the factor learnt from the
+    share of usable messages), saving progress after every chunk; `state` resumes a round."""
+    first_round, resume_at, start, factor = 0, 0, None, dict.fromkeys(w.names, FIRST_FACTOR)
+    if state is not None:  # the round under way when it stopped, rebuilt from that round's start
+        w.made = {c: state["made"][c] for c in w.names}
+        w.seen, w.tried, start = set(state["seen"]), dict(state["round_start"]["tried"]), state["round_start"]
+        usable_in_round, factor = dict(state["usable"]), dict(start["factor"])
+        first_round, resume_at = state["round"], state["done"]
+        w.random.setstate((start["random"][0], tuple(start["random"][1]), start["random"][2]))
+        log.info("self-written prompts: resuming from %s (%d written)", saved, w.written())
+    bar = progress(total=sum(w.quota.values()), initial=w.written(), desc="write prompts", unit="prompt")
+    t0 = time.perf_counter()
+    for rnd in range(first_round, ROUNDS):
+        if rnd != first_round or start is None:
+            start = {"random": w.random.getstate(), "tried": dict(w.tried), "made": {c: len(w.made[c]) for c in w.names},
+                     "factor": dict(factor)}
+            usable_in_round = dict.fromkeys(w.names, 0)
+        drafts = w.drafts(start)
+        if not drafts:
+            break
+        for i in range(resume_at if rnd == first_round else 0, len(drafts), chunk):
+            for c, n in w.write(drafts[i:i + chunk]).items():
+                usable_in_round[c] += n
+            bar.n = w.written()
+            bar.refresh()
+            if saved is not None:
+                _save(saved, {"round": rnd, "done": min(i + chunk, len(drafts)), "round_start": start,
+                              "usable": usable_in_round, "made": w.made, "seen": sorted(w.seen)})
+        log.info("self-written prompts, round %d: %d of %d written (%d usable of %d tried), %.1f s", rnd + 1,
+                 w.written(), sum(w.quota.values()), sum(usable_in_round.values()), len(drafts), time.perf_counter() - t0)
+        for c in w.names:
+            if w.tried[c] > start["tried"][c]:
+                share = usable_in_round[c] / (w.tried[c] - start["tried"][c])
+                factor[c] = min(MAX_FACTOR, MARGIN / share) if share else MAX_FACTOR
+    bar.close()
 
 
 def _save(path: Path, state: dict) -> None:
