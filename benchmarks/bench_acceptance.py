@@ -10,6 +10,12 @@ reports it; 'rej/match' is the ratio of the two rules' τ, with the 90 % interva
 difference over prompts (paired bootstrap, `evaluate.suites.bootstrap_intervals`); 'rej/greedy'
 is sampled τ under the rejection rule over greedy τ. The mean row is the mean over suites.
 
+Calibration (DFlash under the rejection rule, every round): per slot k reached, the rule's
+expected acceptance Σ min(p, q) (= 1 − TV(p, q)), what the match rule would expect of the same
+slot, p(argmax q), and the observed acceptance. Where the drafter's q is sharper than the
+target's p (a drafter trained on the target's greedy answers), the two expectations meet and the
+rules draft alike.
+
     python benchmarks/bench_acceptance.py --limit 4 --json runs/acceptance-cpu.json          # CPU fp32, a few prompts
     python benchmarks/bench_acceptance.py --device cuda --dtype bfloat16 --json runs/acceptance.json
 """
@@ -23,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from dflashkit.checkpoint import atomic_write_bytes, load_drafter
 from dflashkit.data.prompts import EVAL_SUITES, get_suite, load_prompts
-from dflashkit.decode.generation import Sampling
+from dflashkit.decode import accept
+from dflashkit.decode.generation import Sampling, distribution
 from dflashkit.decode.loop import generate_batch, make_engine
 from dflashkit.demo import bundled_drafter_dir
 from dflashkit.evaluate import eval_prompts
@@ -35,13 +43,56 @@ from dflashkit.target import load_target
 from dflashkit.vocab import stop_token_ids
 
 Rows = dict[str, list[tuple[float, int]]]  # per suite, each prompt's (τ, rounds)
+SLOTS = 4  # calibration columns
+
+
+class Calibration:
+    """Wraps `accept.picked_tokens` to sum, over DFlash's rounds (chains), per slot reached, the
+    expected acceptance of either rule and the observed one (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.key: str | None = None  # the suite and temperature of a DFlash run under the rejection rule
+        self.picked = accept.picked_tokens
+        accept.picked_tokens = self
+
+    def __call__(self, trees: Any, q: Tensor, logits: Tensor, settings: accept.Settings, seeds: Tensor) -> Tensor:
+        picked = self.picked(trees, q, logits, settings, seeds)
+        if self.key is None:
+            return picked
+        tokens = trees.tokens
+        m = min(tokens.shape[1], SLOTS)
+        p = distribution(logits[:, :m], *settings.rows(m)).double()
+        qm = q[:, :m].double()
+        hit = (picked[:, :m] == tokens[:, :m]).long()
+        reached = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], 1).cumprod(1).double()  # [b, m]
+        row = torch.stack([reached, reached * accept.expected_acceptance(p, qm),
+                           reached * p.gather(2, qm.argmax(-1, keepdim=True))[..., 0], reached * hit]).sum(1).cpu()
+        total = self.sums.setdefault(self.key, torch.zeros(4, SLOTS, dtype=torch.float64))
+        total[:, :m] += row
+        return picked
+
+    def table(self) -> dict[str, list[dict[str, float]]]:
+        print("\n| suite, T | slot | rounds reaching it | expected, rejection: Σ min(p, q) | expected, match: p(argmax q) "
+              "| observed, rejection |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        out: dict[str, list[dict[str, float]]] = {}
+        for key, (n, rej, match, seen) in self.sums.items():
+            for k in range(SLOTS):
+                if n[k] > 0:
+                    out.setdefault(key, []).append({"slot": k + 1, "rounds": float(n[k]), "expected_rejection": float(rej[k] / n[k]),
+                                                    "expected_match": float(match[k] / n[k]), "observed": float(seen[k] / n[k])})
+                    r = out[key][-1]
+                    print(f"| {key} | {k + 1} | {int(n[k])} | {r['expected_rejection']:.3f} | {r['expected_match']:.3f} | "
+                          f"{r['observed']:.3f} |")
+        return out
 
 
 def pooled(rows: list[tuple[float, int]]) -> float:
     return sum(t * r for t, r in rows) / max(sum(r for _, r in rows), 1)
 
 
-def decode_all(args: argparse.Namespace) -> dict[str, Rows]:
+def decode_all(args: argparse.Namespace, calibration: Calibration) -> dict[str, Rows]:
     """Per configuration 'T/label/rule' (greedy: 'T0/label'), per suite, each prompt's (τ, rounds)."""
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
@@ -57,6 +108,7 @@ def decode_all(args: argparse.Namespace) -> dict[str, Rows]:
                 for rule in ("match", "rejection") if temperature > 0 else ("match",):
                     t0 = time.perf_counter()
                     sampling = [Sampling(temperature, args.top_p, args.seed + i) for i in range(len(prompts))]
+                    calibration.key = f"{name}, {temperature:g}" if method == "dflash" and rule == "rejection" else None
                     limit = min(suite.max_new_tokens, args.max_new_tokens or suite.max_new_tokens)
                     gens = generate_batch(engine, prompts, max_new_tokens=limit, method=method,
                                           budget=budget, acceptance=rule, sampling=sampling, stop_ids=stops,
@@ -113,14 +165,17 @@ def main() -> None:
         p.error("--target: give the drafter trained for it with --drafter (the bundled one is SmolLM2's)")
     if any(t <= 0 for t in args.temperatures):
         p.error("--temperatures: expected values > 0 (greedy τ is measured anyway)")
-    res = decode_all(args)
+    calibration = Calibration()
+    res = decode_all(args, calibration)
     rows = table(res, args.temperatures, ["dflash", f"ddtree-{args.budget}"], args.suites.split(","))
+    slots = calibration.table()
     if args.json:
         settings = {**{k: v for k, v in vars(args).items() if k != "json"}, "date": time.strftime("%Y-%m-%d"),
                     "threads": torch.get_num_threads(), "device_name": torch.cuda.get_device_name()
                     if args.device.startswith("cuda") else "cpu"}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(args.json), json.dumps({"settings": settings, "rows": rows, "prompts": res},
+        atomic_write_bytes(Path(args.json), json.dumps({"settings": settings, "rows": rows, "calibration": slots,
+                                                        "prompts": res},
                                                        indent=2).encode())
 
 

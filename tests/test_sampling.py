@@ -9,9 +9,8 @@ from datahelpers import one_thread  # noqa: F401
 from test_decode import _chi2_pvalue
 
 from dflashkit.decode import accept
-from dflashkit.decode.accept import (Settings, chain_walk, expected_acceptance, sampled_tokens, tree_walk, uniforms,
-                                    widths)
-from dflashkit.decode.tree import candidates, draft_trees
+from dflashkit.decode.accept import Settings, expected_acceptance, picked_tokens, sampled_tokens, uniforms
+from dflashkit.decode.tree import ancestors, candidates, draft_trees, walk
 from dflashkit.decode.generation import Sampling, distribution, draw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,9 +66,8 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
         trees = shape._replace(tokens=tokens)
         nodes = torch.cat([last[:, None], tokens], 1)  # [N, m+1]: the bonus, then the nodes
         parents = torch.cat([before[:, None], nodes.gather(1, trees.parents)], 1)
-        logits = model.target(nodes, parents)
-        walked = chain_walk(tokens, q, logits, settings, seeds) if budget is None else \
-            tree_walk(trees, q, widths(trees, S), logits, settings, seeds)
+        picked = picked_tokens(trees, q, model.target(nodes, parents), settings, seeds)
+        walked = walk(trees, ancestors(trees.parents), picked, budget is None)
         first = walked.accepted.double().mean().item() if first is None else first
         for j in range(walked.new.shape[1]):
             put = (j <= walked.accepted) & (count + j < STEPS)

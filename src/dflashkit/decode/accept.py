@@ -11,13 +11,15 @@ chance is 1 − TV(p, q), and the output is still exactly the target's distribut
                    pass, so q does not depend on the tokens drawn before it and the rule applies
                    slot by slot along the accepted prefix; after a fully accepted block the bonus
                    token comes from p.
-  trees (DDTree)   the tree's shape (how many children each node has) is the match rule's
-                   best-first tree, a function of the drafter's logits alone; the children of a
-                   node at depth d are, in order, the first draws of one sample of slot d's q
-                   without replacement (Gumbel-top-k); the walk runs recursive rejection sampling
-                   over them (Jeon et al. 2024): accept the i-th child with min(1, p_i/q_i), else
-                   go on with p_{i+1} = norm(max(0, p_i − q_i)) and q_{i+1} = q_i without the
-                   child.
+  trees (DDTree)   the match rule's tree (a function of the drafter's logits alone); at each
+                   node, the first child is a draw of its slot's q, accepted with min(1, p/q);
+                   the other children are the next likeliest tokens of q, each a proposal of one
+                   token (a point mass), which recursive rejection sampling accepts when a draw
+                   of the residual norm(max(0, p − q)) is that token. A chain is the tree whose
+                   nodes have one child each: the same rule.
+
+Every node's outcome (`picked_tokens`) is computed at once, then `tree.walk` follows them: no
+loop over depths and no host read.
 
 p and q are both the request's temperature- and top-p-adjusted distributions
 (`generation.distribution`). Greedy rows are not for this module: at temperature 0 the match
@@ -108,33 +110,23 @@ def sibling_rank(parents: Tensor) -> Tensor:
     return (same & earlier).sum(-1)
 
 
-def widths(shape: Trees, depth: int) -> list[int]:
-    """Per depth 0..depth-1 of a parent, the most children any node of the trees at that depth
-    has (host ints: `tree_walk`'s loop bounds; the one host read of a sampled DDTree round)."""
-    b, m = shape.tokens.shape
-    counts = torch.zeros(b, m + 1, dtype=torch.long, device=shape.parents.device)
-    counts.scatter_add_(1, shape.parents, torch.ones_like(shape.parents))
-    parent_depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1)  # [b, m+1]
-    per = torch.zeros(b, depth + 1, dtype=torch.long, device=counts.device)
-    per.scatter_reduce_(1, parent_depth.clamp(max=depth), counts, "amax")
-    return per.amax(0)[:depth].tolist()
-
-
 def sampled_tokens(dlogits: Tensor, shape: Trees, k: int, settings: Settings, seeds: Tensor) -> tuple[Tensor, Tensor]:
     """The drafter's logits [b, S, V] and the trees the match rule drafts from them (`shape`:
     `tree.draft_trees`, k candidates per slot) -> (the rejection rule's tokens for the same
     nodes [b, m], the drafter's adjusted distributions q [b, S, V]). A node of depth d that is
-    its parent's r-th child (`sibling_rank`) takes the r-th draw of one sample of slot d's q
-    without replacement (Gumbel-top-k: the order of log q + Gumbel noise); a chain's nodes take
-    one draw of each slot. The shape is a function of the drafter's logits alone, as the walk's
-    proof needs, and the match rule's own: as bushy where the drafter is unsure, whatever the
-    temperature."""
+    its parent's first child takes one draw of slot d's q; its r-th sibling after it, the r-th
+    likeliest token of q but that draw. The shape is a function of the drafter's logits alone,
+    as the proof needs, and the match rule's own: as bushy where the drafter is unsure, whatever
+    the temperature."""
     b, S, V = dlogits.shape
     q = distribution(dlogits, *settings.rows(S))
-    gumbel = -torch.log(-torch.log(uniforms(seeds, _DRAFT, (S, V))))
-    drawn = (q.log() + gumbel.float()).topk(k, dim=-1).indices  # [b, S, k]: draws without replacement, in order
+    drawn = draw(q.flatten(0, 1), uniforms(seeds, _DRAFT, (S,)).flatten()).view(b, S, 1)
+    ranked = q.topk(k, dim=-1).indices  # [b, S, k]
+    seen = (ranked == drawn).long().cumsum(-1)  # the draw among the first j+1 ranked: 1
+    later = torch.arange(k - 1, device=q.device)  # the r-th sibling (r >= 1) is ranked[r - 1], or ranked[r] past the draw
+    cand = torch.cat([drawn, ranked.gather(2, later + seen[..., :k - 1])], 2)  # [b, S, k]
     slot = (shape.depths - 1)[..., None].expand(-1, -1, k)
-    return drawn.gather(1, slot).gather(2, sibling_rank(shape.parents)[..., None])[..., 0], q
+    return cand.gather(1, slot).gather(2, sibling_rank(shape.parents)[..., None])[..., 0], q
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -155,106 +147,40 @@ def expected_acceptance(p: Tensor, q: Tensor) -> Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def chain_walk(tokens: Tensor, q: Tensor, logits: Tensor, settings: Settings, seeds: Tensor) -> Walk:
-    """The rejection rule down each row's chain: tokens [b, m] (slot k's draw of q [b, m, V]),
-    the target's logits [b, m+1, V] at the bonus and every node -> the `tree.Walk`."""
-    b, m = tokens.shape
-    q = q[:, :m]  # (cost-aware decoding may verify a prefix of the block)
-    p = distribution(logits, *settings.rows(m + 1))  # [b, m+1, V]
-    u = uniforms(seeds, _ACCEPT, (m,))
-    ok = accepts(u, p[:, :m].gather(2, tokens[..., None])[..., 0], q.gather(2, tokens[..., None])[..., 0])
-    accepted = ok.long().cumprod(1).sum(1)
-    at = accepted[:, None, None].expand(-1, 1, p.shape[2])
-    q_end = torch.cat([q, torch.zeros_like(q[:, :1])], 1)  # past the block nothing was drawn: p itself
-    last = draw(residual(p.gather(1, at)[:, 0], q_end.gather(1, at)[:, 0]), uniforms(seeds, _RESIDUAL, (1,))[:, 0])
-    new = torch.cat([tokens, last[:, None]], 1).scatter(1, accepted[:, None], last[:, None])
-    return Walk(accepted, torch.arange(m + 1, device=tokens.device).expand(b, -1), new)
-
-
-class _Node(NamedTuple):
-    """Where each row's walk stands: its node, whether it still walks, and its path so far."""
-
-    node: Tensor
-    alive: Tensor
-    accepted: Tensor
-    path: Tensor
-    new: Tensor
-
-
-def _recursive_rejection(p: Tensor, q: Tensor, kids: Tensor, tokens: Tensor, u: Tensor, width: int
-                         ) -> tuple[Tensor, Tensor]:
-    """Recursive rejection sampling over each row's candidates: kids [b, m] marks the current
-    node's children, `tokens` their tokens (each child's place among its siblings is its rank in
-    one draw of q without replacement); u [b, width] the acceptance draws. -> (the accepted
-    child [b] (-1: none), the distribution to draw from where none was accepted [b, V])."""
-    b = p.shape[0]
-    rank = sibling_rank(torch.where(kids, 0, torch.arange(1, kids.shape[1] + 1, device=kids.device)))
-    chosen = torch.full((b,), -1, dtype=torch.long, device=p.device)
-    for r in range(width):
-        child = kids & (rank == r)  # [b, m]: at most one
-        idx = child.float().argmax(1)
-        x = tokens.gather(1, idx[:, None])  # [b, 1]
-        q_x = q.gather(1, x)[:, 0]
-        live = child.any(1) & (chosen < 0) & (q_x > 0)  # a child q cannot draw (top-p) ends the candidates
-        hit = live & accepts(u[:, r], p.gather(1, x)[:, 0], q_x)
-        chosen = torch.where(hit, idx, chosen)
-        miss = (live & ~hit)[:, None]
-        p = torch.where(miss, residual(p, q), p)
-        q = torch.where(miss, q.scatter(1, x, 0.0), q)
-        q = torch.where(miss, q / q.sum(-1, keepdim=True).clamp(min=1e-30), q)
-    return chosen, p
-
-
-def tree_walk(trees: Trees, q: Tensor, widths: list[int], logits: Tensor, settings: Settings, seeds: Tensor) -> Walk:
-    """The rejection rule down each row's tree (recursive rejection sampling at every node of
-    the path, `_recursive_rejection`): q [b, S, V] the drafter's distributions, widths
-    (`widths`) the walk's bounds, the target's logits [b, m+1, V] at the bonus and
-    every node -> the `tree.Walk`."""
+def picked_tokens(trees: Trees, q: Tensor, logits: Tensor, settings: Settings, seeds: Tensor) -> Tensor:
+    """The rejection rule at every node at once -> the target's token at each node [b, m+1],
+    for `tree.walk` to follow (a child is on the path when its token is the one picked at its
+    parent): the node's first child (a draw of q, `sampled_tokens`) where `accepts` takes it,
+    else a draw of `residual(p, q)`; the other children are the next likeliest tokens of q, each
+    a proposal of one token, so that this draw picks one of them with the chance the rule gives
+    it. A node without a child draws from p (the bonus after a fully accepted path). q [b, S, V]
+    the drafter's distributions per slot, logits [b, m+1, V] the target's at the bonus and every
+    node. Every node draws from uniforms of its own number: one pass, no loop over depths."""
     b, m = trees.tokens.shape
-    if m == 0:  # (cost-aware decoding verified the bonus alone: a chain of no node)
-        return chain_walk(trees.tokens, q, logits, settings, seeds)
-    dev = logits.device
-    real = trees.parents < torch.arange(1, m + 1, device=dev)  # padding nodes are no one's children
-    u = uniforms(seeds, _ACCEPT, (len(widths), max(widths, default=0) or 1))
-    v = uniforms(seeds, _RESIDUAL, (len(widths) + 1,))
-    zero = torch.zeros(b, dtype=torch.long, device=dev)
-    at = _Node(zero, torch.ones(b, dtype=torch.bool, device=dev), zero, zero.new_zeros(b, m + 1), zero.new_zeros(b, m + 1))
-    deepest = min(len(widths), m)  # a path is at most m nodes deep
-    for d in range(deepest + 1):
-        p = distribution(logits.gather(1, at.node[:, None, None].expand(-1, 1, logits.shape[2]))[:, 0], *settings)
-        chosen = torch.full((b,), -1, dtype=torch.long, device=dev)
-        if d < deepest and widths[d]:
-            kids = real & (trees.parents == at.node[:, None]) & at.alive[:, None]
-            chosen, p = _recursive_rejection(p, q[:, d], kids, trees.tokens, u[:, d], widths[d])
-        at = _step(at, d, chosen, trees.tokens, draw(p, v[:, d]))
-    return Walk(at.accepted, at.path, at.new)
-
-
-def _step(at: _Node, d: int, chosen: Tensor, tokens: Tensor, drawn: Tensor) -> _Node:
-    """Depth d of the walk: rows that accepted a child move to it (node index chosen + 1); the
-    others take the drawn token as their bonus and stop."""
-    hit = at.alive & (chosen >= 0)
-    stop = at.alive & ~hit
-    token = torch.where(hit, tokens.gather(1, chosen.clamp(min=0)[:, None])[:, 0], drawn)
-    new = torch.where((hit | stop)[:, None], at.new.scatter(1, torch.full_like(at.node[:, None], d), token[:, None]),
-                      at.new)
-    node = torch.where(hit, chosen + 1, at.node)
-    slot = min(d + 1, at.path.shape[1] - 1)  # (past the deepest node no row moves)
-    path = torch.where(hit[:, None], at.path.scatter(1, torch.full_like(node[:, None], slot), node[:, None]), at.path)
-    return _Node(node, hit, at.accepted + hit.long(), path, new)
+    S, V = q.shape[1:]
+    p = distribution(logits, *settings.rows(m + 1))  # [b, m+1, V]
+    first = (sibling_rank(trees.parents) == 0) & (trees.parents < torch.arange(1, m + 1, device=q.device))
+    child = torch.full((b, m + 2), -1, dtype=torch.long, device=q.device)  # each node's first child's token
+    child.scatter_(1, torch.where(first, trees.parents, m + 1), trees.tokens)  # (column m+1: the rest)
+    child, has = child[:, :m + 1].clamp(min=0), child[:, :m + 1] >= 0
+    depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1).clamp(max=S - 1)
+    qn = q.gather(1, depth[..., None].expand(-1, -1, V)) * has[..., None]  # a node without a child: q = 0
+    ok = has & accepts(uniforms(seeds, _ACCEPT, (m + 1,)), p.gather(2, child[..., None])[..., 0],
+                       qn.gather(2, child[..., None])[..., 0])
+    other = draw(residual(p, qn).flatten(0, 1), uniforms(seeds, _RESIDUAL, (m + 1,)).flatten()).view(b, m + 1)
+    return torch.where(ok, child, other)
 
 
 @dataclass
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
     greedily (their trees and walk are the match rule's: exact at temperature 0), and, once the
-    draft is made, the drafter's distributions q [b, S, V] and (trees) the walk's bounds."""
+    draft is made, the drafter's distributions q [b, S, V]."""
 
     settings: Settings
     seeds: Tensor
     greedy: Tensor | None  # [b] bool; None: every row samples
     q: Tensor | None = None
-    widths: list[int] | None = None
 
     @classmethod
     def of(cls, method: Method, samplings: Sequence[Sampling], gens: Sequence[random.Random | None],
@@ -275,22 +201,14 @@ class Rejection:
         tokens, self.q = sampled_tokens(draft.logits, draft.trees, k, self.settings, self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
-        self.widths = None if method.chain else widths(draft.trees, S)
         return draft._replace(trees=draft.trees._replace(tokens=tokens), tokens=torch.cat([draft.tokens[:, :1], tokens], 1))
 
     def walk(self, trees: Trees, anc: Tensor, logits: Tensor, chain: bool) -> Walk:
         """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that
-        cost-aware decoding verified) over the target's logits [b, m+1, V]: `chain_walk` or
-        `tree_walk`; greedy rows walk by the match rule."""
+        cost-aware decoding verified) over the target's logits [b, m+1, V]: `tree.walk` over
+        `picked_tokens` (greedy rows: over the target's argmax, the match rule)."""
         assert self.q is not None, "Rejection.walk follows Rejection.draft"
-        if chain:
-            walked = chain_walk(trees.tokens, self.q, logits, self.settings, self.seeds)
-        else:
-            assert self.widths is not None
-            walked = tree_walk(trees, self.q, self.widths, logits, self.settings, self.seeds)
-        if self.greedy is None:
-            return walked
-        matched = walk(trees, anc, logits.argmax(-1), chain)
-        keep = self.greedy[:, None]
-        return Walk(torch.where(self.greedy, matched.accepted, walked.accepted),
-                    torch.where(keep, matched.path, walked.path), torch.where(keep, matched.new, walked.new))
+        picked = picked_tokens(trees, self.q, logits, self.settings, self.seeds)
+        if self.greedy is not None:
+            picked = torch.where(self.greedy[:, None], logits.argmax(-1), picked)
+        return walk(trees, anc, picked, chain)
