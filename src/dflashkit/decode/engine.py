@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -219,13 +220,53 @@ def round_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
     return draft_tokens + 1
 
 
+CommitStep = Callable[[Tensor, Tensor, bool, bool], None]  # `KVCache.apply`'s signature
+DraftStep = Callable[..., Draft]  # `Engine._draft_step`'s
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What an engine is built from besides its target, drafter and runner; each part left None
+    is the plain one. The static engine (`static.static_engine`) names them all.
+
+    lm_head, draft_head: hidden [..., H] -> logits, the target's and the drafter's (default: the
+    target's own, and a copy of it in the drafter's dtype where the dtypes differ);
+    compile_draft: the draft's logits function -> its compiled form (compared once with the eager
+    one, `Engine._checked_draft`); graph_draft: the eager draft step and the key its graphs are
+    captured under -> the round's draft step and the one over a small context longer than a block
+    (`small_pass`); graph_commit: the engine's cache -> the commit's device work (`KVCache.apply`,
+    or its CUDA graphs).
+
+    slot_bucket: drafter attention spans rounded up to this (fewer graph shapes). fixed_rows:
+    finished rows stay in the batch, idle (committing nothing), instead of leaving it: with CUDA
+    graphs, every new batch size would capture new graphs. small_pass: prefills and prompt-long
+    first drafts of at most this many rows x tokens are padded to a length bucket and go through
+    the runner / draft step as any round does (the static engine replays them from CUDA graphs);
+    0: such passes run at their own length, eagerly. geometric: lengths padded to
+    `bucket(geometric=True)` (a staging engine's). join_pass: joins (`join`) are prefilled in
+    groups of a power of two rows of at most this many rows x tokens (lengths padded to geometric
+    buckets), by a staging engine per row count whose caches persist and whose runner (`twin`)
+    replays CUDA graphs; 0: a fresh engine each time, eagerly."""
+
+    lm_head: Callable[[Tensor], Tensor] | None = None
+    draft_head: Callable[[Tensor], Tensor] | None = None
+    compile_draft: Callable[[Callable[..., Tensor]], Callable[..., Tensor]] | None = None
+    graph_draft: Callable[[DraftStep, Callable[[], Any]], tuple[DraftStep, DraftStep]] | None = None
+    graph_commit: Callable[[KVCache], CommitStep] | None = None
+    slot_bucket: int = 1
+    fixed_rows: bool = False
+    small_pass: int = 0
+    geometric: bool = False
+    join_pass: int = 0
+
+
 class Engine:
     """b sequences of one target (and drafter). Lengths are kept on the host too (exact, or a
     round late with an upper bound, `KVCache.bound`), so a round needs one device-to-host
     transfer: its accepted paths and tokens, which may arrive after the next round is queued."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, runner: Runner | None = None,
-                 draft_tokens: int | None = None) -> None:
+                 draft_tokens: int | None = None, parts: Parts = Parts()) -> None:
         self.target, self.drafter = target, drafter
         # Positions a draft block holds, the bonus included: the drafter's block, or fewer
         # (`draft_tokens`): a shorter draft costs less to make and to verify, and where a round's
@@ -234,34 +275,23 @@ class Engine:
         self.block = round_block(drafter, draft_tokens)
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else [target.num_layers - 1]
         self.run = runner or HFRunner(target, self.layer_ids)
-        self.draft_step = self._draft_step  # the static engine captures it in CUDA graphs
-        self.long_draft_step = self._draft_step  # the same over a small context longer than a block (`small_pass`)
-        self.draft_logits = self._draft_logits  # and may compile this part of it
-        self.unchecked_draft = False  # a compiled draft step, not yet compared with the eager one (`_checked_draft`)
-        self.lm_head = target.lm_head  # hidden [..., H] -> logits; the static engine may pack its weight
+        self.cache = new_cache(target)
+        self.dcache = drafter_cache(drafter) if drafter is not None else None
+        self.lm_head = parts.lm_head or target.lm_head
         # A drafter may run in another dtype than the target (bf16 on a CPU with bf16 matrix units,
         # `make_engine`): its inputs are cast, and its LM head is a copy of the target's in its dtype.
         self.draft_dtype = target.dtype if drafter is None else next(drafter.parameters()).dtype
-        self.draft_head = None if self.draft_dtype == target.dtype else lm_head(target, self.draft_dtype)
-        self.slot_bucket = 1  # drafter attention spans rounded up to this (fewer graph shapes)
-        # Finished rows stay in the batch, idle (committing nothing), instead of leaving it: with
-        # CUDA graphs, every new batch size would capture new graphs.
-        self.fixed_rows = False
-        self.cache = new_cache(target)
-        self.dcache = drafter_cache(drafter) if drafter is not None else None
-        self.commit_step = self.cache.apply  # the commit's device work; the static engine captures it too
+        self.draft_head = None if self.draft_dtype == target.dtype else parts.draft_head or lm_head(target, self.draft_dtype)
+        self.draft_logits = parts.compile_draft(self._draft_logits) if parts.compile_draft else self._draft_logits
+        self.unchecked_draft = parts.compile_draft is not None  # compiled, not yet compared with the eager step
+        self.draft_step, self.long_draft_step = self._draft_step, self._draft_step
+        if parts.graph_draft is not None and drafter is not None:
+            self.draft_step, self.long_draft_step = parts.graph_draft(self._draft_step, lambda: self.dcache.k.data_ptr())
+        self.commit_step = parts.graph_commit(self.cache) if parts.graph_commit else self.cache.apply
+        self.slot_bucket, self.fixed_rows, self.small_pass = parts.slot_bucket, parts.fixed_rows, parts.small_pass
+        self.geometric, self.join_pass = parts.geometric, parts.join_pass
         self.caught_up = False  # the last draft took a long context (see `draft`)
-        self.cost_state: dict = {}  # cost-aware decoding's curve and draft-or-not estimates (`decode_stream`)
-        # Prefills and prompt-long first drafts of at most this many rows x tokens are padded to a
-        # length bucket and go through `run` / `draft_step` as any round does (the static engine
-        # replays them from CUDA graphs); 0: such passes run at their own length, eagerly.
-        self.small_pass = 0
-        self.geometric = False  # lengths padded to `bucket(geometric=True)` (a staging engine's)
-        # Joins (`join`) are prefilled in groups of a power of two rows of at most this many rows x
-        # tokens (lengths padded to geometric buckets), by a staging engine per row count whose
-        # caches persist and whose runner (`twin`) replays CUDA graphs; 0: a fresh engine each
-        # time, eagerly.
-        self.join_pass = 0
+        self.cost_state: dict = {}  # cost-aware decoding's `cost.Sizing` per method and batch size
         self.stagings: dict[int, Engine] = {}
         self.eager_joins = 0  # join groups prefilled eagerly on a fresh engine (no staging here, or a prompt too long)
         self.late: collections.deque[tuple[Tensor, int]] = collections.deque()  # `commit_walk`s not settled yet
@@ -417,17 +447,19 @@ class Engine:
         hidden, self.verified = self.run(self.cache, tokens, depths, ancestors, n)
         return self.lm_head(hidden)
 
+    # The rollback after verification: each row keeps its accepted path in the caches (the device
+    # half: `KVCache.commit_plan`), its features become the drafter's next context, and the host's
+    # lengths learn each row's count (`settle`). `commit` does both halves at once from paths known
+    # on the host; a drafted round (`commit_walk`) does the device half from the acceptance walk
+    # and is settled when the host reads the round.
+
     def commit(self, paths: Sequence[Sequence[int]], context: bool = True) -> None:
-        """Row i keeps the verified nodes paths[i] (root first; empty for an idle row); their
-        features are the drafter's next context. context: False in an autoregressive stream,
-        where no draft reads them: the context then stays one round's, where it would grow by a
-        round's features at every step (a copy of all of it each time)."""
+        """Row i keeps the verified nodes paths[i] (root first; empty for an idle row), settled at
+        once. context: False in an autoregressive stream, where no draft reads the kept features:
+        the context then stays one round's, where it would grow by a round's features at every
+        step (a copy of all of it each time)."""
         plan = self.cache.commit(paths, self.verified.shape[1], self.commit_step)
-        q = max(len(p) for p in paths)
-        if all(is_chain(p) for p in paths):
-            new = self.verified[:, :q]
-        else:  # the plan's first q columns: each path, padded with nodes whose features are never read
-            new = self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
+        new = self._kept(None if all(is_chain(p) for p in paths) else plan, max(len(p) for p in paths))
         counts = [len(p) for p in paths]
         if self.pending_read or self.drafter is None or not context:
             self.pending, self.pending_counts = new, counts
@@ -436,13 +468,13 @@ class Engine:
         self.pending_read = False
 
     def commit_walk(self, walked: Walk, running: Tensor, chain: bool) -> None:
-        """`commit` of a drafted round: each row's accepted path as the acceptance walk left it on the device
-        (rows not `running` [b] keep nothing), without a host read: the next round can be queued
-        before this one's result reaches the host. The host's lengths learn the counts from
-        `settle`, which must follow, once per call and in order. chain: every tree is a chain
-        (nothing moves)."""
+        """The device half of a drafted round's rollback: each row's accepted path as the acceptance
+        walk left it on the device (rows not `running` [b] keep nothing), without a host read, so
+        that the next round can be queued before this one's result reaches the host. `settle`
+        must follow, once per call and in order. chain: every tree is a chain (nothing moves)."""
         q = min(walked.path.shape[1], self.block)  # a path holds at most a block of nodes
         counts = (walked.accepted + 1) * running
+        plan = None
         if chain and self.cache.linear is None:  # the kept nodes are where they belong: lengths only
             self.cache.advance_late(counts, q)
         else:
@@ -450,19 +482,25 @@ class Engine:
             plan = torch.cat([torch.where(j < counts[:, None], walked.path[:, :q], j), counts[:, None]], 1)
             self.cache.commit_plan(plan, not chain, self.commit_step)
         self.late.append((counts, q))
-        self.pending = self.verified[:, :q] if chain else \
-            self.verified.gather(1, plan[:, :q, None].expand(-1, -1, self.verified.shape[2]))
+        self.pending = self._kept(None if chain else plan, q)
         self.pending_counts, self.pending_read = counts, False
 
     def settle(self, counts: Sequence[int]) -> None:
-        """The counts of the oldest unsettled `commit_walk`, now on the host (each row's path
-        length, 0 where idle)."""
+        """The host half of the oldest unsettled `commit_walk`: each row's path length (0 where
+        idle), now read on the host."""
         mine, width = self.late.popleft()
         self.cache.settle(counts, width)
         if self.pending_counts is mine:  # no draft took these features yet: it will advance by them
             self.pending_counts = list(counts)
         else:  # a draft took them (`draft`'s `advance_late`)
             self.dcache.settle(counts, self.block)
+
+    def _kept(self, plan: Tensor | None, q: int) -> Tensor:
+        """The features of each row's first q kept nodes [b, q, F] (plan None: a chain's, where
+        they are; else the plan's first q columns: each path, padded with nodes whose features are
+        never read)."""
+        v = self.verified
+        return v[:, :q] if plan is None else v.gather(1, plan[:, :q, None].expand(-1, -1, v.shape[2]))
 
     def _settled(self, step: str) -> None:
         if self.late:  # rows move on the host's lengths, which miss the unsettled rounds
@@ -474,17 +512,15 @@ class Engine:
         and CUDA graphs persisting from join to join; else a fresh engine, eagerly (graphs are
         captured over one cache's buffers)."""
         m = len(prompts)
+        heads = Parts(lm_head=self.lm_head, draft_head=self.draft_head)
+        draft_tokens = self.block - 1 if self.drafter is not None else None
         if self.join_pass and small(m, bucket(max(map(len, prompts)), True), self.join_pass):
             if m not in self.stagings:
-                stage = Engine(self.target, self.drafter, self.run.twin(self.join_pass))
-                stage.lm_head, stage.draft_head, stage.block = self.lm_head, self.draft_head, self.block
-                stage.small_pass, stage.geometric = self.join_pass, True
-                self.stagings[m] = stage
+                self.stagings[m] = Engine(self.target, self.drafter, self.run.twin(self.join_pass), draft_tokens,
+                                          replace(heads, small_pass=self.join_pass, geometric=True))
             return self.stagings[m]
         self.eager_joins += 1
-        fresh = Engine(self.target, self.drafter, getattr(self.run, "eager", self.run))
-        fresh.lm_head, fresh.draft_head, fresh.block = self.lm_head, self.draft_head, self.block
-        return fresh
+        return Engine(self.target, self.drafter, getattr(self.run, "eager", self.run), draft_tokens, heads)
 
     def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:
         """Prefill `prompts` on their own caches (`_stage`) -> that engine, the logits at each

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from dflashkit import few_attention
 from dflashkit.decode import delta
 from dflashkit.decode.cache import KVCache, LayerKV
-from dflashkit.decode.engine import Engine, attention_backends, small
+from dflashkit.decode.engine import Engine, Parts, attention_backends, small
 from dflashkit.decode.tree import visibility
 from dflashkit.drafter import FEW_QUERIES, DFlashDrafter, additive, apply_rope, attend_few
 from dflashkit.kernels import heads
@@ -315,7 +315,7 @@ def qkv(h: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, num_he
 
 def qkv_fused(h: Tensor, w: LayerWeights, eps: float, cos: Tensor, sin: Tensor, num_heads: int, kv_heads: int,
               head_dim: int, kv: LayerKV, slots: Tensor) -> tuple[Tensor, None]:
-    """`qkv` with the heads' norms, RoPE, layout and cache stores in one kernel (`decode/heads.py`)."""
+    """`qkv` with the heads' norms, RoPE, layout and cache stores in one kernel (`kernels/heads.py`)."""
     y = linear(h, w.qkv)
     return heads.heads(y, w.qn, w.kn, w.offset, eps, cos, sin, kv.k, kv.v, slots, num_heads, kv_heads), None
 
@@ -692,28 +692,34 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     if drafter is not None:  # the engine's own copy, laid out for decoding (the caller's stays as it was)
         drafter = drafter_copy(drafter, draft_dtype, draft_packed)
         fuse_drafter(drafter, runner.fuse, column_weights(target.device))
-    engine = Engine(target, drafter, runner, draft_tokens)
-    if runner.packed:  # the LM heads too: the largest GEMMs of a small model's pass and draft
-        engine.lm_head = lm_head(target, target.dtype, packed=True)
-        if engine.draft_head is not None:
-            engine.draft_head = lm_head(target, engine.draft_dtype, packed=draft_packed)
-    engine.slot_bucket, engine.fixed_rows = SLOT_BUCKET, graphs
-    if runner_graphs and "linear_attention" not in target.layer_kinds:  # (a hybrid's prefill runs eagerly)
-        engine.small_pass, engine.join_pass = SMALL_PASS_TOKENS, JOIN_PASS_TOKENS
-    if compile_drafter:  # the drafter's pass; its tree building (a beam search) would take minutes to compile
-        # Every size symbolic here: one compilation serves every context width and span. (Under
-        # automatic dynamic shapes, bench_decode's staged run compiled it again after its warm-up
-        # on an H200, 14.6 s; where a round's draft goes, its norms gained nothing measurable.)
-        engine.draft_logits = torch.compile(engine._draft_logits, dynamic=True, options=inductor_options())
-        engine.unchecked_draft = True  # the first compiled draft is compared with an eager one
-    if graphs and drafter is not None:
-        engine.draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr())
-        # One graph per (rows, context bucket, span): their outputs are read in their round, so
-        # they share one memory pool (the largest pass's).
-        engine.long_draft_step = Graphs(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
-    if runner_graphs:
-        engine.commit_step = graphed_commit(engine.cache)
-    return engine
+    own_dtype = None if drafter is None else next(drafter.parameters()).dtype  # (a head of its own where it differs)
+    small_passes = runner_graphs and "linear_attention" not in target.layer_kinds  # (a hybrid's prefill runs eagerly)
+    parts = Parts(
+        # the LM heads packed too: the largest GEMMs of a small model's pass and draft
+        lm_head=lm_head(target, target.dtype, packed=True) if runner.packed else None,
+        draft_head=lm_head(target, own_dtype, packed=draft_packed)
+        if runner.packed and own_dtype not in (None, target.dtype) else None,
+        compile_draft=_compiled_draft if compile_drafter else None,
+        graph_draft=_draft_graphs if graphs else None,
+        graph_commit=graphed_commit if runner_graphs else None,
+        slot_bucket=SLOT_BUCKET, fixed_rows=graphs, small_pass=SMALL_PASS_TOKENS if small_passes else 0,
+        join_pass=JOIN_PASS_TOKENS if small_passes else 0)
+    return Engine(target, drafter, runner, draft_tokens, parts)
+
+
+def _compiled_draft(draft_logits: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """The drafter's pass compiled; its tree building (a beam search) would take minutes to
+    compile. Every size symbolic here: one compilation serves every context width and span.
+    (Under automatic dynamic shapes, bench_decode's staged run compiled it again after its warm-up
+    on an H200, 14.6 s; where a round's draft goes, its norms gained nothing measurable.)"""
+    return torch.compile(draft_logits, dynamic=True, options=inductor_options())
+
+
+def _draft_graphs(step: Callable[..., Any], key: Callable[[], Any]) -> tuple[Graphs, Graphs]:
+    """The draft step from CUDA graphs: one per round shape, and one per (rows, context bucket,
+    span) of a small context longer than a block, whose outputs are read in their round, so that
+    they share one memory pool (the largest pass's)."""
+    return Graphs(step, key), Graphs(step, key, shared=True)
 
 
 def fuse_drafter(drafter: DFlashDrafter, fuse: bool, columns: bool) -> None:
