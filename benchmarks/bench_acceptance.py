@@ -56,8 +56,9 @@ class Calibration:
         self.picked = accept.picked_tokens
         accept.picked_tokens = self
 
-    def __call__(self, trees: Any, q: Tensor, logits: Tensor, settings: accept.Settings, seeds: Tensor) -> Tensor:
-        picked = self.picked(trees, q, logits, settings, seeds)
+    def __call__(self, trees: Any, q: Tensor, drawn: Tensor, logits: Tensor, settings: accept.Settings,
+                 seeds: Tensor) -> Tensor:
+        picked = self.picked(trees, q, drawn, logits, settings, seeds)
         if self.key is None:
             return picked
         tokens = trees.tokens

@@ -10,7 +10,7 @@ from test_decode import _chi2_pvalue
 
 from dflashkit.decode import accept
 from dflashkit.decode.accept import Settings, expected_acceptance, picked_tokens, sampled_tokens, uniforms
-from dflashkit.decode.tree import ancestors, candidates, draft_trees, walk
+from dflashkit.decode.tree import ancestors, draft_trees, walk
 from dflashkit.decode.generation import Sampling, distribution, draw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,11 +62,11 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
         seeds = torch.randint(0, 2**62, (N,), generator=g)
         dlogits = model.drafter(last, before)
         shape = draft_trees(dlogits, last, budget, None)[0]  # the match rule's trees
-        tokens, q = sampled_tokens(dlogits, shape, 1 if budget is None else candidates(budget, None, V), settings, seeds)
+        tokens, q, drawn = sampled_tokens(dlogits, shape, settings, seeds)
         trees = shape._replace(tokens=tokens)
         nodes = torch.cat([last[:, None], tokens], 1)  # [N, m+1]: the bonus, then the nodes
         parents = torch.cat([before[:, None], nodes.gather(1, trees.parents)], 1)
-        picked = picked_tokens(trees, q, model.target(nodes, parents), settings, seeds)
+        picked = picked_tokens(trees, q, drawn, model.target(nodes, parents), settings, seeds)
         walked = walk(trees, ancestors(trees.parents), picked, budget is None)
         first = walked.accepted.double().mean().item() if first is None else first
         for j in range(walked.new.shape[1]):

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode.generation import Sampling, distribution, draw
-from dflashkit.decode.tree import Trees, Walk, candidates, walk
+from dflashkit.decode.tree import Trees, Walk, walk
 from dflashkit.method import Method
 
 if TYPE_CHECKING:
@@ -110,23 +110,32 @@ def sibling_rank(parents: Tensor) -> Tensor:
     return (same & earlier).sum(-1)
 
 
-def sampled_tokens(dlogits: Tensor, shape: Trees, k: int, settings: Settings, seeds: Tensor) -> tuple[Tensor, Tensor]:
+def _children(trees: Trees) -> tuple[Tensor, Tensor]:
+    """-> (real [b, m]: the node is not padding (which is its own parent), count [b, m+1]: each
+    node's children)."""
+    b, m = trees.tokens.shape
+    real = trees.parents < torch.arange(1, m + 1, device=trees.parents.device)
+    count = torch.zeros(b, m + 1, dtype=torch.long, device=real.device).scatter_add_(1, trees.parents, real.long())
+    return real, count
+
+
+def sampled_tokens(dlogits: Tensor, shape: Trees, settings: Settings, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The drafter's logits [b, S, V] and the trees the match rule drafts from them (`shape`:
-    `tree.draft_trees`, k candidates per slot) -> (the rejection rule's tokens for the same
-    nodes [b, m], the drafter's adjusted distributions q [b, S, V]). A node of depth d that is
-    its parent's first child takes one draw of slot d's q; its r-th sibling after it, the r-th
-    likeliest token of q but that draw. The shape is a function of the drafter's logits alone,
-    as the proof needs, and the match rule's own: as bushy where the drafter is unsure, whatever
-    the temperature."""
+    `tree.draft_trees`) -> (the rejection rule's tokens for the same nodes [b, m], the drafter's
+    adjusted distributions q [b, S, V], one draw of each slot's q [b, S]). Every node with
+    children has its slot's draw among them: as the match rule's child where that is the draw
+    (most often its first, the drafter's argmax), else in place of its last child (the least
+    likely, with the smallest subtree). A chain's nodes are the draws. The shape is a function
+    of the drafter's logits alone, as the proof needs, and the match rule's own: as bushy where
+    the drafter is unsure, whatever the temperature."""
     b, S, V = dlogits.shape
     q = distribution(dlogits, *settings.rows(S))
-    drawn = draw(q.flatten(0, 1), uniforms(seeds, _DRAFT, (S,)).flatten()).view(b, S, 1)
-    ranked = q.topk(k, dim=-1).indices  # [b, S, k]
-    seen = (ranked == drawn).long().cumsum(-1)  # the draw among the first j+1 ranked: 1
-    later = torch.arange(k - 1, device=q.device)  # the r-th sibling (r >= 1) is ranked[r - 1], or ranked[r] past the draw
-    cand = torch.cat([drawn, ranked.gather(2, later + seen[..., :k - 1])], 2)  # [b, S, k]
-    slot = (shape.depths - 1)[..., None].expand(-1, -1, k)
-    return cand.gather(1, slot).gather(2, sibling_rank(shape.parents)[..., None])[..., 0], q
+    drawn = draw(q.flatten(0, 1), uniforms(seeds, _DRAFT, (S,)).flatten()).view(b, S)
+    own = drawn.gather(1, shape.depths - 1)  # [b, m]: the draw of each node's slot
+    real, count = _children(shape)
+    has = torch.zeros_like(count).scatter_reduce_(1, shape.parents, ((shape.tokens == own) & real).long(), "amax")
+    last = real & (sibling_rank(shape.parents) == count.gather(1, shape.parents) - 1)
+    return torch.where(last & (has.gather(1, shape.parents) == 0), own, shape.tokens), q, drawn
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -147,40 +156,40 @@ def expected_acceptance(p: Tensor, q: Tensor) -> Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def picked_tokens(trees: Trees, q: Tensor, logits: Tensor, settings: Settings, seeds: Tensor) -> Tensor:
+def picked_tokens(trees: Trees, q: Tensor, drawn: Tensor, logits: Tensor, settings: Settings, seeds: Tensor) -> Tensor:
     """The rejection rule at every node at once -> the target's token at each node [b, m+1],
     for `tree.walk` to follow (a child is on the path when its token is the one picked at its
-    parent): the node's first child (a draw of q, `sampled_tokens`) where `accepts` takes it,
-    else a draw of `residual(p, q)`; the other children are the next likeliest tokens of q, each
-    a proposal of one token, so that this draw picks one of them with the chance the rule gives
-    it. A node without a child draws from p (the bonus after a fully accepted path). q [b, S, V]
-    the drafter's distributions per slot, logits [b, m+1, V] the target's at the bonus and every
-    node. Every node draws from uniforms of its own number: one pass, no loop over depths."""
+    parent): the slot's draw of q (`sampled_tokens`, a child of every node with children) where
+    `accepts` takes it, else a draw of `residual(p, q)`; the node's other children are
+    proposals of one token each, so that this draw picks one of them with the chance the rule
+    gives it. A node without a child draws from p (the bonus after a fully accepted path).
+    q [b, S, V] and drawn [b, S]: `sampled_tokens`'; logits [b, m+1, V]: the target's at the
+    bonus and every node. Every node draws from uniforms of its own number: one pass, no loop
+    over depths."""
     b, m = trees.tokens.shape
     S, V = q.shape[1:]
     p = distribution(logits, *settings.rows(m + 1))  # [b, m+1, V]
-    first = (sibling_rank(trees.parents) == 0) & (trees.parents < torch.arange(1, m + 1, device=q.device))
-    child = torch.full((b, m + 2), -1, dtype=torch.long, device=q.device)  # each node's first child's token
-    child.scatter_(1, torch.where(first, trees.parents, m + 1), trees.tokens)  # (column m+1: the rest)
-    child, has = child[:, :m + 1].clamp(min=0), child[:, :m + 1] >= 0
+    has = _children(trees)[1] > 0
     depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1).clamp(max=S - 1)
+    x = drawn.gather(1, depth)  # [b, m+1]: the draw among each node's children
     qn = q.gather(1, depth[..., None].expand(-1, -1, V)) * has[..., None]  # a node without a child: q = 0
-    ok = has & accepts(uniforms(seeds, _ACCEPT, (m + 1,)), p.gather(2, child[..., None])[..., 0],
-                       qn.gather(2, child[..., None])[..., 0])
+    ok = has & accepts(uniforms(seeds, _ACCEPT, (m + 1,)), p.gather(2, x[..., None])[..., 0],
+                       qn.gather(2, x[..., None])[..., 0])
     other = draw(residual(p, qn).flatten(0, 1), uniforms(seeds, _RESIDUAL, (m + 1,)).flatten()).view(b, m + 1)
-    return torch.where(ok, child, other)
+    return torch.where(ok, x, other)
 
 
 @dataclass
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
     greedily (their trees and walk are the match rule's: exact at temperature 0), and, once the
-    draft is made, the drafter's distributions q [b, S, V]."""
+    draft is made, the drafter's distributions q [b, S, V] and its draws [b, S]."""
 
     settings: Settings
     seeds: Tensor
     greedy: Tensor | None  # [b] bool; None: every row samples
     q: Tensor | None = None
+    drawn: Tensor | None = None
 
     @classmethod
     def of(cls, method: Method, samplings: Sequence[Sampling], gens: Sequence[random.Random | None],
@@ -193,12 +202,10 @@ class Rejection:
         mask = torch.tensor(greedy, device=device) if any(greedy) else None
         return cls(Settings.of(samplings, device), round_seeds(gens, device), mask)
 
-    def draft(self, draft: Draft, method: Method) -> Draft:
+    def draft(self, draft: Draft) -> Draft:
         """The engine's draft with each sampling row's tokens drawn from the drafter's
         distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
-        S, V = draft.logits.shape[1:]
-        k = 1 if method.chain else candidates(method.budget or 1, method.top_k, V)
-        tokens, self.q = sampled_tokens(draft.logits, draft.trees, k, self.settings, self.seeds)
+        tokens, self.q, self.drawn = sampled_tokens(draft.logits, draft.trees, self.settings, self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
         return draft._replace(trees=draft.trees._replace(tokens=tokens), tokens=torch.cat([draft.tokens[:, :1], tokens], 1))
@@ -207,8 +214,8 @@ class Rejection:
         """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that
         cost-aware decoding verified) over the target's logits [b, m+1, V]: `tree.walk` over
         `picked_tokens` (greedy rows: over the target's argmax, the match rule)."""
-        assert self.q is not None, "Rejection.walk follows Rejection.draft"
-        picked = picked_tokens(trees, self.q, logits, self.settings, self.seeds)
+        assert self.q is not None and self.drawn is not None, "Rejection.walk follows Rejection.draft"
+        picked = picked_tokens(trees, self.q, self.drawn, logits, self.settings, self.seeds)
         if self.greedy is not None:
             picked = torch.where(self.greedy[:, None], logits.argmax(-1), picked)
         return walk(trees, anc, picked, chain)
