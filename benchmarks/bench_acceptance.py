@@ -81,8 +81,9 @@ class Calibration:
         for key, (n, rej, match, seen) in self.sums.items():
             for k in range(SLOTS):
                 if n[k] > 0:
-                    out.setdefault(key, []).append({"slot": k + 1, "rounds": float(n[k]), "expected_rejection": float(rej[k] / n[k]),
-                                                    "expected_match": float(match[k] / n[k]), "observed": float(seen[k] / n[k])})
+                    out.setdefault(key, []).append({
+                        "slot": k + 1, "rounds": float(n[k]), "expected_rejection": float(rej[k] / n[k]),
+                        "expected_match": float(match[k] / n[k]), "observed": float(seen[k] / n[k])})
                     r = out[key][-1]
                     print(f"| {key} | {k + 1} | {int(n[k])} | {r['expected_rejection']:.3f} | {r['expected_match']:.3f} | "
                           f"{r['observed']:.3f} |")
@@ -121,7 +122,8 @@ def decode_all(args: argparse.Namespace, calibration: Calibration) -> dict[str, 
     return out
 
 
-def table(res: dict[str, Rows], temperatures: list[float], labels: list[str], suites: list[str]) -> list[dict[str, Any]]:
+def table(res: dict[str, Rows], temperatures: list[float], labels: list[str],
+          suites: list[str]) -> list[dict[str, Any]]:
     """One row per (temperature, method, suite or 'mean'), printed as a markdown table."""
     rows = []
     print("\n| T | method | suite | greedy τ | match τ | rejection τ | rej/match | rej − match (90 %) | rej/greedy |")

@@ -73,7 +73,8 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
             put = (j <= walked.accepted) & (count + j < STEPS)
             out[put, (count + j)[put]] = walked.new[put, j]
         seq = torch.cat([before[:, None], last[:, None], walked.new], 1)
-        before, last = seq.gather(1, walked.accepted[:, None] + 1)[:, 0], seq.gather(1, walked.accepted[:, None] + 2)[:, 0]
+        end = walked.accepted[:, None]
+        before, last = seq.gather(1, end + 1)[:, 0], seq.gather(1, end + 2)[:, 0]
         count += walked.accepted + 1
     return out, first
 
@@ -189,7 +190,8 @@ def test_eval_reports_both_rules_when_sampling():
     drafter = make_tiny_drafter(target, num_layers=1, num_taps=1, block_size=4)
     prompts = [Prompt(f"p{i}", torch.randint(3, 60, (1, 5 + i), generator=torch.Generator().manual_seed(i)))
                for i in range(2)]
-    kw = dict(methods=["dflash", "ddtree"], budgets=[4], max_new_tokens=6, engine="hf", acceptances=["match", "rejection"])
+    kw = dict(methods=["dflash", "ddtree"], budgets=[4], max_new_tokens=6, engine="hf",
+              acceptances=["match", "rejection"])
     sampled = evaluate_online(target, {"d": drafter}, prompts, sampling=Sampling(1.0, 0.9, seed=0), **kw)
     methods = sampled["drafters"]["d"]["methods"]
     assert set(methods) == {"dflash", "dflash+match", "ddtree-4", "ddtree-4+match"}

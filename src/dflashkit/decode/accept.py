@@ -208,7 +208,8 @@ class Rejection:
         tokens, self.q, self.drawn = sampled_tokens(draft.logits, draft.trees, self.settings, self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
-        return draft._replace(trees=draft.trees._replace(tokens=tokens), tokens=torch.cat([draft.tokens[:, :1], tokens], 1))
+        bonus = draft.tokens[:, :1]
+        return draft._replace(trees=draft.trees._replace(tokens=tokens), tokens=torch.cat([bonus, tokens], 1))
 
     def walk(self, trees: Trees, anc: Tensor, logits: Tensor, chain: bool) -> Walk:
         """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that
