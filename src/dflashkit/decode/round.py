@@ -13,14 +13,12 @@ token whose target features are not yet in the drafter's cache):
           argmax, or a sample of its own distribution);
   accept  walk from the root while the target's token at the current node is a child: the
           accepted path, and the target's token at its last node, the next bonus (the 'match'
-          rule); or, in a sampled round under the 'rejection' rule (`Method.acceptance`), trees
+          rule); or, in a sampled round under the 'rejection' rule (`Method.acceptance`), drafts
           drawn from the drafter's distributions, accepted with min(1, p/q) (`accept.Rejection`);
   commit  keep the accepted path in the caches. The host learns each row's count when it reads
           the round (`Engine.settle`), which may be after the next round is launched.
 
-Nothing in a round waits for the host but a sampled DDTree round under the rejection rule, which
-reads how many children its trees' nodes have (its walk's loop bounds): its tokens come back in
-one copy (`Round.read`).
+Nothing in a round waits for the host: its tokens come back in one copy (`Round.read`).
 
 Lossless: every committed token is the target's argmax (greedy), a sample of the target's own
 distribution drawn before looking at the draft ("accept while draft == target sample"), or a
