@@ -18,6 +18,7 @@ a bf16 matmul measured in the same run) and the peak memory.
     python benchmarks/bench_online.py --shape qwen3-8b --anchors 256,512
     python benchmarks/bench_online.py --shape qwen3.6-27b --anchors 256 train.optimizer_state=host
     python benchmarks/bench_online.py --tiny                 # CPU smoke test of the same code
+    torchrun --nproc-per-node 8 benchmarks/bench_online.py --shape qwen3.6-27b --batch 64 train.parallel=fsdp
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from dflashkit.data import features as features_mod
 from dflashkit.data.chat import TokenizedSample
 from dflashkit.drafter import default_target_layer_ids
 from dflashkit.target import Target
+
+# Under torchrun every rank runs the same loop on its share of each optimiser step; rank 0 reports.
+RANK, LOCAL_RANK, WORLD = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
 
 SHAPES = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -190,7 +194,7 @@ def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target,
             train_mod.train(cfg, target=target, samples=samples)
     finally:
         train_mod.Trainer.step, train_mod.save_checkpoint = real_step, real_save
-    w, b = args.warmup, args.batch
+    w, b = args.warmup, args.batch // WORLD  # this rank's samples per optimiser step
     target_ms = statistics.median(phases.ms("target", w * b))  # per sample
     acc_ms = statistics.median(phases.ms("accumulate", w))  # per optimiser step: b samples' target + f+b
     update_ms = statistics.median(phases.ms("update", w))
@@ -198,15 +202,16 @@ def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target,
     wall = statistics.median(step_wall[w:])
     host = phases.host_s[w * b:]
     answer = args.seq - args.prompt
-    fl_drafter = statistics.fmean(flops[w * b:]) * b
+    fl_drafter = statistics.fmean(flops[w * b:]) * b  # this rank's
     deepest = max(default_target_layer_ids(target.num_layers, cfg.drafter.num_taps))
     fl_target = target_flops(target, deepest, args.seq) * b
-    res = {"shape": shape_name, "anchors": anchors, "seq": args.seq, "batch": args.batch, "overrides": overrides,
+    res = {"shape": shape_name, "anchors": anchors, "seq": args.seq, "batch": args.batch, "gpus": WORLD,
+           "overrides": overrides,
            "steps_timed": args.steps, "step_s": round(wall, 3),
            "target_ms_per_sample": round(target_ms, 2), "drafter_fwd_bwd_ms_per_sample": round(fb_ms, 2),
            "optimizer_ms_per_step": round(update_ms, 2),
            "host_batch_ms_per_sample": round(1e3 * statistics.median(host), 2) if host else None,
-           "samples_per_s": round(args.batch / wall, 2),
+           "samples_per_s": round(args.batch / wall, 2), "samples_per_s_per_gpu": round(b / wall, 2),
            "answer_tokens_per_s": round(args.batch * answer / wall),
            "tflop_per_step": round((fl_target + fl_drafter) / 1e12, 2),
            "tflops": round((fl_target + fl_drafter) / wall / 1e12, 1),
@@ -258,7 +263,9 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides for every run (section.field=value)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    device, dtype = (torch.device("cuda", LOCAL_RANK), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    if cuda:
+        torch.cuda.set_device(device)
     if args.tiny:
         args.seq, args.prompt, args.batch, args.steps, args.warmup = min(args.seq, 96), 16, 2, 2, 1
     shape_name = "tiny" if args.tiny else args.shape
@@ -286,12 +293,14 @@ def main() -> int:
                 if cuda:
                     r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             report["runs"].append(r)
-            print(json.dumps(r), flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1))
+            if RANK == 0:
+                print(json.dumps(r), flush=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(report, indent=1))
             if cuda:
                 torch.cuda.empty_cache()
-    print_table(report["runs"])
+    if RANK == 0:
+        print_table(report["runs"])
     return 0
 
 
