@@ -341,7 +341,7 @@ KERNEL_KINDS = (("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk"))
 
 
 def kernel_table(run, device: torch.device, top: int) -> dict:
-    """Where a round's device time goes: `run()` (a generation, already warmed up) profiled, its
+    """Where a round's GPU time goes: `run()` (a generation, already warmed up) profiled, its
     kernels grouped by kind and the `top` largest, in microseconds per round."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -508,7 +508,7 @@ def main() -> int:
                     help="the batched table's tokens drafted a round (default: the drafter's block_size - 1)")
     ap.add_argument("--long", type=int, default=0, help="also time a round after a prompt of this many tokens")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
-                    help="also profile each measured generation: device time per round by kernel kind and the N "
+                    help="also profile each measured generation: GPU time per round by kernel kind and the N "
                     "largest kernels")
     add_baseline_options(ap)
     args = ap.parse_args()
