@@ -22,6 +22,9 @@ stage is then the state rollback. `--check-features` compares, per tapped layer,
 runner's PyTorch path with Transformers' forward (its GPU kernels where installed, e.g. fla)
 on the same prompt, in bf16 and in fp32 (cosine, max error).
 
+`--temperature 0.7`: the rounds sample, each speculative method under both acceptance rules
+(`match`, `rejection`) side by side: what the rejection rule's draws and checks cost a round.
+
 Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused-cd` engine at
 each batch size, at τ = 1 (random drafts) and with every draft accepted (τ = B: the acceptance
 walk replaced, timing only); `--long 16384` times a round after a prompt of that
@@ -48,6 +51,7 @@ import torch
 from dflashkit import few_attention
 from dflashkit.commands import positive_int
 from dflashkit.decode.engine import Engine
+from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode import static as static_mod
 from dflashkit.decode.static import runner_features, static_engine
@@ -425,8 +429,10 @@ def device_gaps(prof, rounds: int, top: int) -> dict:
     return out
 
 
-def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int, top_k: int | None) -> dict:
-    kw = dict(max_new_tokens=new_tokens, method=method, budget=budget, top_k=top_k)
+def measure(engine, ids: torch.Tensor, method: str, budget: int | None, new_tokens: int, top_k: int | None,
+            temperature: float = 0.0, acceptance: str = "match") -> dict:
+    kw = dict(max_new_tokens=new_tokens, method=method, budget=budget, top_k=top_k, acceptance=acceptance,
+              sampling=Sampling(temperature, 1.0, 0))
     generate(engine, ids, **kw)  # capture graphs / compile
     prof = generate(engine, ids, **kw, profile=True)
     cuda = ids.device.type == "cuda"
@@ -503,6 +509,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per measured generation (rounds, at τ=1)")
     ap.add_argument("--hf-new-tokens", type=int, default=12, help="fewer for the slow Transformers engine")
     ap.add_argument("--time-limit", type=float, default=480, help="seconds; later engines are skipped past it")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (seed 0): each speculative method under both acceptance rules, "
+                    "'match' and 'rejection' (decode/accept.py), side by side")
     ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
     ap.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                     help="the batched table's tokens drafted a round (default: the drafter's block_size - 1)")
@@ -553,37 +562,41 @@ def main() -> int:
     torch.manual_seed(1)
     ids = torch.randint(0, shape["vocab_size"] - 2, (1, args.prompt_len), device=device)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    rules = ["match", "rejection"] if args.temperature > 0 else ["match"]
+    methods = [("ar", None, "match")] + [(m, b, rule) for m, b in [("dflash", None)] + [("ddtree", b) for b in budgets]
+                                        for rule in rules]
     chosen = engines(device, compile_ok=True, hybrid=hybrid)
     if args.engines:
         chosen = {k: v for k, v in chosen.items() if k in args.engines.split(",")}
     for name, make in chosen.items():
-        for method, budget in methods:
+        for method, budget, rule in methods:
             if time.perf_counter() - t_start > args.time_limit:
                 print(f"time limit reached: skipping {name} {method} {budget or ''}", flush=True)
                 continue
-            label = method if budget is None else f"{method}-{budget}"
+            label = (method if budget is None else f"{method}-{budget}") + (f"+{rule}" if len(rules) > 1 and method != "ar" else "")
             eng = None
             try:
                 eng = make(target, drafter if method != "ar" else None)
                 n = args.hf_new_tokens if name in ("hf", "static") else args.new_tokens
-                r = measure(eng, ids, method, budget, n, args.top_k)
+                r = measure(eng, ids, method, budget, n, args.top_k, args.temperature, rule)
                 if hybrid:
                     r.update(state_memory(eng))
             except Exception as e:  # report and go on: one engine failing must not lose the others' numbers
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
-                print(f"{name:9s} {label:10s} FAILED {r['error']}", flush=True)
+                print(f"{name:9s} {label:18s} FAILED {r['error']}", flush=True)
             else:
                 s = r["stages_ms"]
                 floor = res.get("ar_floor_ms" if method == "ar" else "floor_ms")
                 r["x_floor"] = r["round_ms"] / floor if floor else None
                 r["tree_share"] = s.get("tree", 0.0) / r["staged_round_ms"]
-                print(f"{name:9s} {label:10s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
+                print(f"{name:9s} {label:18s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
             if args.kernels and "error" not in r:
                 r["kernels"] = kernel_table(functools.partial(generate, eng, ids, max_new_tokens=n, method=method, budget=budget,
-                                                              top_k=args.top_k), device, args.kernels)
-            if name != "hf" and budget == budgets[-1] and "error" not in r and not hybrid:
+                                                              top_k=args.top_k, acceptance=rule,
+                                                              sampling=Sampling(args.temperature, 1.0, 0)),
+                                            device, args.kernels)
+            if name != "hf" and budget == budgets[-1] and rule == "match" and "error" not in r and not hybrid:
                 r["compaction_ms_8_nodes"] = compaction_ms(eng)
                 print(f"{name:9s} tree commit moving 8 accepted nodes: {r['compaction_ms_8_nodes']:.3f} ms", flush=True)
             res["results"].setdefault(name, {})[label] = r
@@ -591,14 +604,14 @@ def main() -> int:
             del eng
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\n{'engine':9s} {'method':10s} {'round ms':>9s} {'x floor':>8s} {'draft':>7s} {'tree':>7s} {'verify':>7s} {'commit':>7s} {'tree %':>7s}")
+    print(f"\n{'engine':9s} {'method':18s} {'round ms':>9s} {'x floor':>8s} {'draft':>7s} {'tree':>7s} {'verify':>7s} {'commit':>7s} {'tree %':>7s}")
     for name, rows in res["results"].items():
         for label, r in rows.items():
             if "error" in r:
                 continue
             s = r["stages_ms"]
             xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else "-"
-            print(f"{name:9s} {label:10s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
+            print(f"{name:9s} {label:18s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
                   f"{s.get('verify', 0):7.2f} {s.get('commit', 0):7.2f} {100 * r['tree_share']:6.1f}%")
     if args.batches:
         res["batched"] = batch_rows(target, drafter, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, device,

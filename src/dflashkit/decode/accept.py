@@ -25,19 +25,23 @@ p and q are both the request's temperature- and top-p-adjusted distributions
 (`generation.distribution`). Greedy rows are not for this module: at temperature 0 the match
 rule is the exact one. Every draw of a row comes from one 63-bit seed per round, taken from the
 row's own stream (`round_seeds`), through a counter-based hash: a row draws the same whatever
-else the batch holds, and a round needs one host draw per row, not one per token.
+else the batch holds, and a round needs one host draw per row, not one per token. The seeds and
+settings reach the device without waiting for it (`cache.to_device`), so that the host queues
+the next round while this one runs, as under the match rule.
 """
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from dflashkit.decode.cache import to_device
 from dflashkit.decode.generation import Sampling, distribution, draw
 from dflashkit.decode.tree import Trees, Walk, walk
 from dflashkit.method import Method
@@ -77,7 +81,7 @@ def uniforms(seeds: Tensor, stream: int, shape: Sequence[int]) -> Tensor:
 
 def round_seeds(gens: Sequence[random.Random | None], device: torch.device) -> Tensor:
     """One seed per row for a round's draws, from each row's own stream (0 where it has none)."""
-    return torch.tensor([g.getrandbits(63) if g is not None else 0 for g in gens], dtype=torch.long, device=device)
+    return to_device([g.getrandbits(63) if g is not None else 0 for g in gens], device)
 
 
 class Settings(NamedTuple):
@@ -90,10 +94,10 @@ class Settings(NamedTuple):
 
     @classmethod
     def of(cls, samplings: Sequence[Sampling], device: torch.device) -> Settings:
-        t = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samplings], device=device)[:, None]
+        t = to_device([s.temperature if s.temperature > 0 else 1.0 for s in samplings], device, torch.float32)[:, None]
         if all(s.top_p == 1 for s in samplings):
             return cls(t, 1.0)
-        return cls(t, torch.tensor([s.top_p for s in samplings], device=device)[:, None])
+        return cls(t, to_device([s.top_p for s in samplings], device, torch.float32)[:, None])
 
     def rows(self, *lead: int) -> Settings:
         """The settings broadcast over `lead` more dimensions ([b, 1, ..., 1])."""
@@ -179,6 +183,19 @@ def picked_tokens(trees: Trees, q: Tensor, drawn: Tensor, logits: Tensor, settin
     return torch.where(ok, x, other)
 
 
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=True)
+
+
+def on_device(fn: Callable[..., Any], like: Tensor) -> Callable[..., Any]:
+    """fn, compiled where `like` is on a GPU: eagerly, the rule is about 200 small kernels a round
+    (the draws' hashing, softmaxes, searches), whose launches cost a small target more than its
+    own pass; compiled, a handful. Every size is symbolic: one compilation serves every batch,
+    tree and vocabulary."""
+    return _compiled(fn) if like.is_cuda else fn
+
+
 @dataclass
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
@@ -199,13 +216,14 @@ class Rejection:
         greedy = [s.temperature == 0 for s in samplings]
         if method.acceptance != "rejection" or all(greedy):
             return None
-        mask = torch.tensor(greedy, device=device) if any(greedy) else None
+        mask = to_device(greedy, device, torch.bool) if any(greedy) else None
         return cls(Settings.of(samplings, device), round_seeds(gens, device), mask)
 
     def draft(self, draft: Draft) -> Draft:
         """The engine's draft with each sampling row's tokens drawn from the drafter's
         distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
-        tokens, self.q, self.drawn = sampled_tokens(draft.logits, draft.trees, self.settings, self.seeds)
+        tokens, self.q, self.drawn = on_device(sampled_tokens, draft.logits)(draft.logits, draft.trees, self.settings,
+                                                                            self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
         bonus = draft.tokens[:, :1]
@@ -216,7 +234,7 @@ class Rejection:
         cost-aware decoding verified) over the target's logits [b, m+1, V]: `tree.walk` over
         `picked_tokens` (greedy rows: over the target's argmax, the match rule)."""
         assert self.q is not None and self.drawn is not None, "Rejection.walk follows Rejection.draft"
-        picked = picked_tokens(trees, self.q, self.drawn, logits, self.settings, self.seeds)
+        picked = on_device(picked_tokens, logits)(trees, self.q, self.drawn, logits, self.settings, self.seeds)
         if self.greedy is not None:
             picked = torch.where(self.greedy[:, None], logits.argmax(-1), picked)
         return walk(trees, anc, picked, chain)
