@@ -181,7 +181,7 @@ def test_uniforms_are_per_row_and_uniform():
 
 def test_eval_reports_both_rules_when_sampling():
     """`evaluate_online` with both acceptance rules: sampled decoding reports each method under
-    each rule ('+match' rows beside the default's); greedy decoding, where the rules agree, once."""
+    each rule ('+rejection' rows beside the default's); greedy decoding, where the rules agree, once."""
     from conftest import make_tiny_drafter, make_tiny_target
 
     from dflashkit.evaluate.online import Prompt, evaluate_online
@@ -194,7 +194,7 @@ def test_eval_reports_both_rules_when_sampling():
               acceptances=["match", "rejection"])
     sampled = evaluate_online(target, {"d": drafter}, prompts, sampling=Sampling(1.0, 0.9, seed=0), **kw)
     methods = sampled["drafters"]["d"]["methods"]
-    assert set(methods) == {"dflash", "dflash+match", "ddtree-4", "ddtree-4+match"}
+    assert set(methods) == {"dflash", "dflash+rejection", "ddtree-4", "ddtree-4+rejection"}
     assert all(m["tokens"] == 12 and m["identical"] is None for m in methods.values())
     greedy = evaluate_online(target, {"d": drafter}, prompts, **kw)
     assert set(greedy["drafters"]["d"]["methods"]) == {"dflash", "ddtree-4"}

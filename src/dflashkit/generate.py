@@ -12,7 +12,7 @@ from dflashkit.data.chat import prompt_ids
 from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, make_engine
 from dflashkit.decode.tree import candidates
-from dflashkit.method import ACCEPTANCES, METHODS, TOP_K, Method
+from dflashkit.method import ACCEPTANCES, DEFAULT_ACCEPTANCE, METHODS, TOP_K, Method
 
 
 def chat_ids(tokenizer: Any, prompt: str, chat: bool = True) -> Tensor:
@@ -36,10 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=probability, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--acceptance", choices=ACCEPTANCES, default="rejection",
-                   help="how sampled rounds accept drafted tokens: rejection (drafts drawn from the drafter, accepted "
-                        "with min(1, p/q); default) or match (the drafter's likeliest tokens, accepted when equal to "
-                        "the target's sample); both exact")
+    p.add_argument("--acceptance", choices=ACCEPTANCES, default=DEFAULT_ACCEPTANCE,
+                   help="how sampled rounds accept drafted tokens: match (the drafter's likeliest tokens, accepted "
+                        "when equal to the target's sample; default: the faster as measured) or rejection (drafts "
+                        "drawn from the drafter, accepted with min(1, p/q): a higher τ, more work a round); both exact")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)

@@ -20,6 +20,12 @@ METHODS: tuple[str, ...] = get_args(Kind)
 # probabilities gets). Both are exact (docs/conventions.md).
 Acceptance = Literal["match", "rejection"]
 ACCEPTANCES: tuple[str, ...] = get_args(Acceptance)
+# The default of decoding, `generate`, `eval` and `serve`: the faster one as measured. With SmolLM2
+# and its bundled drafter on an H100 at T 0.7, the rejection rule raises τ (DFlash 1.92 to 2.08,
+# DDTree-64 2.89 to 2.96), but its per-round draws and checks, about 200 small kernels, cost more
+# than that gains on a target whose round takes 1.6 ms (speed-up 1.32x to 0.88x, 1.33x to 1.10x;
+# docs/benchmarks.md).
+DEFAULT_ACCEPTANCE: Acceptance = "match"
 
 # DDTree's candidates per slot, the default of decoding, `generate`, `eval` and `serve`. None: as
 # many as the tree's node budget, so that `best_first` picks the budget's best prefixes among all
@@ -39,7 +45,7 @@ class Method:
     kind: Kind = "dflash"
     budget: int | None = None
     top_k: int | None = TOP_K
-    acceptance: Acceptance = "rejection"
+    acceptance: Acceptance = DEFAULT_ACCEPTANCE
 
     def __post_init__(self) -> None:
         if self.kind not in METHODS:
@@ -55,7 +61,7 @@ class Method:
 
     @classmethod
     def of(cls, method: str | Method, budget: int | None = None, top_k: int | None = TOP_K,
-           acceptance: str = "rejection") -> Method:
+           acceptance: str = DEFAULT_ACCEPTANCE) -> Method:
         """The method a caller names: a `Method` as it is, or its kind with DDTree's budget and
         candidates (ignored by the other kinds) and the acceptance rule of its sampled rounds."""
         if isinstance(method, Method):

@@ -55,7 +55,7 @@ from dflashkit.config import Float, Int  # numbers without booleans (JSON true i
 from dflashkit.data.chat import encode, render
 from dflashkit.decode.generation import GenerationChunk, Generator
 from dflashkit.decode.loop import DecodingGenerator, make_engine
-from dflashkit.method import ACCEPTANCES
+from dflashkit.method import ACCEPTANCES, DEFAULT_ACCEPTANCE
 
 try:  # the `serve` extra; module-level names, as FastAPI resolves the handlers' annotations here
     from starlette.requests import Request
@@ -1024,9 +1024,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "autoregressive ones (a large batch on a GPU, or a CPU, may be faster without)")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help="with --drafter: " + DRAFT_TOKENS_HELP)
     p.add_argument("--acceptance", choices=ACCEPTANCES, default=None,
-                   help="with --drafter: how sampled requests (temperature > 0) accept drafted tokens: rejection "
-                   "(drafts drawn from the drafter, accepted with min(1, p/q); default) or match (the drafter's "
-                   "likeliest tokens, accepted when equal to the target's sample); both exact")
+                   help="with --drafter: how sampled requests (temperature > 0) accept drafted tokens: match (the "
+                   "drafter's likeliest tokens, accepted when equal to the target's sample; default: the faster as "
+                   "measured) or rejection (drafts drawn from the drafter, accepted with min(1, p/q): a higher τ, "
+                   "more work a round); both exact")
     p.add_argument("--max-batch", type=positive_int, default=1, metavar="N",
                    help="decode up to N requests as one batch that requests join and leave between rounds "
                    "(continuous batching; default 1: one at a time)")
@@ -1143,7 +1144,7 @@ def load_for_serving(args: argparse.Namespace, cfg: Any) -> tuple[Served, Genera
     method = "ar" if drafter is None else "ddtree" if args.ddtree_budget else "dflash"
     generator = DecodingGenerator(make_engine(target, drafter, args.engine, args.draft_tokens), method=method, budget=args.ddtree_budget,
                                   rows=args.max_batch, cost_aware=args.cost_aware,
-                                  acceptance=args.acceptance or "rejection")
+                                  acceptance=args.acceptance or DEFAULT_ACCEPTANCE)
     if generator.engine.fixed_rows:
         print(f"dflashkit serve: warming up ({args.max_batch} rows: compiling, capturing CUDA graphs)", flush=True)
         generator.warm_up(target.tokenizer("Hello, world!")["input_ids"])

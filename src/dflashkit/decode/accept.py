@@ -32,11 +32,10 @@ the next round while this one runs, as under the match rule.
 
 from __future__ import annotations
 
-import functools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -183,19 +182,6 @@ def picked_tokens(trees: Trees, q: Tensor, drawn: Tensor, logits: Tensor, settin
     return torch.where(ok, x, other)
 
 
-@functools.cache
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=True)
-
-
-def on_device(fn: Callable[..., Any], like: Tensor) -> Callable[..., Any]:
-    """fn, compiled where `like` is on a GPU: eagerly, the rule is about 200 small kernels a round
-    (the draws' hashing, softmaxes, searches), whose launches cost a small target more than its
-    own pass; compiled, a handful. Every size is symbolic: one compilation serves every batch,
-    tree and vocabulary."""
-    return _compiled(fn) if like.is_cuda else fn
-
-
 @dataclass
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
@@ -222,8 +208,7 @@ class Rejection:
     def draft(self, draft: Draft) -> Draft:
         """The engine's draft with each sampling row's tokens drawn from the drafter's
         distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
-        tokens, self.q, self.drawn = on_device(sampled_tokens, draft.logits)(draft.logits, draft.trees, self.settings,
-                                                                            self.seeds)
+        tokens, self.q, self.drawn = sampled_tokens(draft.logits, draft.trees, self.settings, self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
         bonus = draft.tokens[:, :1]
@@ -234,7 +219,7 @@ class Rejection:
         cost-aware decoding verified) over the target's logits [b, m+1, V]: `tree.walk` over
         `picked_tokens` (greedy rows: over the target's argmax, the match rule)."""
         assert self.q is not None and self.drawn is not None, "Rejection.walk follows Rejection.draft"
-        picked = on_device(picked_tokens, logits)(trees, self.q, self.drawn, logits, self.settings, self.seeds)
+        picked = picked_tokens(trees, self.q, self.drawn, logits, self.settings, self.seeds)
         if self.greedy is not None:
             picked = torch.where(self.greedy[:, None], logits.argmax(-1), picked)
         return walk(trees, anc, picked, chain)

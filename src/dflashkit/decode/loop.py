@@ -29,7 +29,7 @@ from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation, GenerationChunk, Sampling, new_generator, usage_stats
 from dflashkit.decode.round import Batch, Request, Round, Row, Stages, row_tokens, speculative_round
 from dflashkit.decode.static import static_engine, supported
-from dflashkit.method import TOP_K, Method
+from dflashkit.method import DEFAULT_ACCEPTANCE, TOP_K, Method
 
 RESERVE = 2048  # answer tokens the caches make room for at the start
 
@@ -263,7 +263,7 @@ def decode_stream(
     method: str | Method = "dflash",
     budget: int | None = None,
     top_k: int | None = TOP_K,
-    acceptance: str = "rejection",
+    acceptance: str = DEFAULT_ACCEPTANCE,
     sampling: Sampling | Sequence[Sampling] | None = None,
     stop_ids: set[int] | frozenset[int] | Sequence[set[int] | frozenset[int]] = frozenset(),
     cancelled: Callable[[int], bool] = lambda i: False,
@@ -291,8 +291,8 @@ def decode_stream(
 
     method: a `Method`, or its kind 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens),
     'ddtree' (a tree of `budget` nodes from the top-`top_k` tokens of each slot; None: `budget` of
-    them). acceptance: how sampled rounds accept ('rejection': drafts drawn from the drafter's
-    distributions, `decode/accept.py`; 'match'); ignored where `method` is a `Method`. Unless
+    them). acceptance: how sampled rounds accept (`method.Acceptance`; 'rejection': drafts drawn
+    from the drafter's distributions, `decode/accept.py`); ignored where `method` is a `Method`. Unless
     profiling or recording, a
     round whose tokens have not reached the host yet is read a round late, the next one already
     running on the device (except a cost-aware round that read its draft's scores, and, with
@@ -400,7 +400,7 @@ class DecodingGenerator:
 
     def __init__(self, engine: Engine, *, method: str | Method = "dflash", budget: int | None = None,
                  top_k: int | None = TOP_K, rows: int | None = None, cost_aware: bool = False,
-                 acceptance: str = "rejection") -> None:
+                 acceptance: str = DEFAULT_ACCEPTANCE) -> None:
         self.method = Method.of(method, budget, top_k, acceptance)
         check_request(self.method, 1, engine.drafter)
         self.engine, self.rows, self.cost_aware = engine, rows, cost_aware

@@ -17,7 +17,7 @@ from dflashkit.evaluate.partings import check_partings
 from dflashkit.evaluate.report import markdown, training_tau_sim, write_report
 from dflashkit.evaluate.suites import evaluate_suites
 from dflashkit.evaluate.summary import method_labels
-from dflashkit.method import ACCEPTANCES
+from dflashkit.method import ACCEPTANCES, DEFAULT_ACCEPTANCE
 from dflashkit.rundir import output_directory
 
 log = logging.getLogger("dflashkit.evaluate")
@@ -49,10 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (outputs checked against autoregressive)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--acceptance", type=acceptance_list, default=None, metavar="RULES",
-                   help="sampled decoding's acceptance rules, comma list of rejection (drafts drawn from the drafter, "
-                        "accepted with min(1, p/q); default) and match (the drafter's likeliest tokens, accepted when "
-                        "equal to the target's sample: what an engine verifying without the drafter's probabilities "
-                        "gets; rows '+match')")
+                   help="sampled decoding's acceptance rules, comma list of match (the drafter's likeliest tokens, "
+                        "accepted when equal to the target's sample: what an engine verifying without the drafter's "
+                        "probabilities gets; default) and rejection (drafts drawn from the drafter, accepted with "
+                        "min(1, p/q); rows '+rejection')")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--engine", choices=("auto", "hf", "static"), default=None)
     g.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N", help=DRAFT_TOKENS_HELP)
@@ -174,7 +174,7 @@ def run_online(args: argparse.Namespace, cfg: Any, paths: dict[str, Path], setti
     drafters = {n: load_drafter(p, target, device=target.device, dtype=target.dtype) for n, p in paths.items()}
     sampling = inputs.sampling
     kw = dict(**settings, sampling=sampling, engine=_pick(args.engine, "auto"), cost_aware=args.cost_aware,
-              acceptances=args.acceptance or ["rejection"],
+              acceptances=args.acceptance or [DEFAULT_ACCEPTANCE],
               draft_tokens=args.draft_tokens, repeats=_pick(args.repeats, 1),
               stop_ids=stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None)))
     if inputs.convs is not None:

@@ -24,7 +24,7 @@ from dflashkit.evaluate.partings import TOP_RECORDED, exact_logits, where_parted
 from dflashkit.evaluate.speed import round_cost, speedup_stats
 from dflashkit.evaluate.summary import method_labels, summarize
 from dflashkit.progress import progress
-from dflashkit.method import TOP_K
+from dflashkit.method import DEFAULT_ACCEPTANCE, TOP_K
 from dflashkit.target import Target
 @dataclass
 class Prompt:
@@ -51,7 +51,7 @@ def eval_prompts(convs: Sequence[Any], tokenizer: Any, thinking: bool = False) -
 
 
 @torch.no_grad()
-def warm_up(engines: Sequence[Any], labels: Sequence[tuple[str, str, int | None]], prompts: Sequence[Tensor],
+def warm_up(engines: Sequence[Any], labels: Sequence[tuple[str, str, int | None, str]], prompts: Sequence[Tensor],
             kw: dict[str, Any]) -> None:
     """Untimed passes, so that no method's tokens/s pays for graph captures and compilation: the
     first prompt by every engine (the first one autoregressive, the others each method of
@@ -61,8 +61,8 @@ def warm_up(engines: Sequence[Any], labels: Sequence[tuple[str, str, int | None]
     buckets = {padded(1, ids.shape[-1], small): ids for ids in prompts[1:] if ids.shape[-1] <= small}
     for ids, n in [(prompts[0], kw["max_new_tokens"])] + [(ids, 2) for ids in buckets.values()]:
         for i, eng in enumerate(engines):
-            for lab, method, budget in [("ar", "ar", None)] if i == 0 else labels:
-                generate(eng, ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"),
+            for lab, method, budget, rule in [("ar", "ar", None, DEFAULT_ACCEPTANCE)] if i == 0 else labels:
+                generate(eng, ids, method=method, budget=budget, cost_aware=lab.endswith("+cost"), acceptance=rule,
                          **{**kw, "max_new_tokens": n})
 
 
@@ -75,7 +75,7 @@ class Job:
     method: str
     budget: int | None = None
     cost_aware: bool = False
-    acceptance: str = "rejection"
+    acceptance: str = DEFAULT_ACCEPTANCE
 
 
 def decode_prompt(jobs: Sequence[Job], prompt: Prompt, index: int, kw: dict[str, Any],
@@ -161,25 +161,26 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
                     top_k: int | None = TOP_K, max_new_tokens: int = 128, sampling: Sampling | None = None,
                     stop_ids: set[int] | frozenset[int] = frozenset(), engine: str = "auto",
                     cost_aware: bool = False, draft_tokens: int | None = None, repeats: int = 1,
-                    acceptances: Sequence[str] = ("rejection",), desc: str = "online eval") -> dict[str, Any]:
+                    acceptances: Sequence[str] = (DEFAULT_ACCEPTANCE,), desc: str = "online eval") -> dict[str, Any]:
     """Every prompt: autoregressive decoding and each drafter x method, on the same engine kind,
     one right after the other (`decode_prompt`). cost_aware: each speculative method also runs
     cost-aware (label suffix '+cost'); draft_tokens: tokens drafted a round (`make_engine`); repeats:
     turns of every job per prompt, each job timed by its fastest (`decode_prompt`); acceptances:
-    the acceptance rules of sampled decoding to run (`method.Acceptance`; the match rule's rows
-    carry the suffix '+match'; greedy decoding has one rule); desc: the progress bar's label."""
+    the acceptance rules of sampled decoding to run (`method.Acceptance`; the rows of a rule other
+    than the default carry its name as a suffix, '+rejection'; greedy decoding has one rule); desc:
+    the progress bar's label."""
     sampling = sampling or Sampling()
     greedy = sampling.temperature == 0
-    rules = acceptances if not greedy else ("rejection",)
-    labels = [(lab + ("+match" if rule == "match" else ""), method, budget)
+    rules = acceptances if not greedy else (DEFAULT_ACCEPTANCE,)
+    labels = [(lab + ("" if rule == DEFAULT_ACCEPTANCE else f"+{rule}"), method, budget, rule)
               for rule in rules for lab, method, budget in method_labels(methods, budgets)]
     if cost_aware:
-        labels += [(f"{lab}+cost", method, budget) for lab, method, budget in labels]
+        labels += [(f"{lab}+cost", method, budget, rule) for lab, method, budget, rule in labels]
     base_engine = make_engine(target, None, engine)
     engines = {n: make_engine(target, d, engine, draft_tokens) for n, d in drafters.items()}
     jobs = [Job("ar", base_engine, "ar")] + [
-        Job(f"{name}/{lab}", eng, method, budget, lab.endswith("+cost"), "match" if "+match" in lab else "rejection")
-        for name, eng in engines.items() for lab, method, budget in labels]
+        Job(f"{name}/{lab}", eng, method, budget, lab.endswith("+cost"), rule)
+        for name, eng in engines.items() for lab, method, budget, rule in labels]
     if target.device.type == "cuda" and prompts:  # (CUDA graphs are captured and kernels compiled on first use)
         warm_up([base_engine, *engines.values()], labels, [pr.ids for pr in prompts],
                 dict(max_new_tokens=max_new_tokens, top_k=top_k, sampling=sampling, stop_ids=stop_ids))
@@ -199,7 +200,7 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
         "baseline": {**base, "tokens_per_s": base["tokens"] / max(base["seconds"], 1e-9)},
         "drafters": {}, "per_prompt": per_prompt}
     for name, eng in engines.items():
-        out = {lab: method_summary(runs[f"{name}/{lab}"], eng.block, len(prompts), greedy) for lab, _, _ in labels}
+        out = {lab: method_summary(runs[f"{name}/{lab}"], eng.block, len(prompts), greedy) for lab, *_ in labels}
         curves = cost_curves(eng)
         report["drafters"][name] = {"block_size": eng.block, "methods": out, **({"cost_curves": curves} if curves else {})}
     return report
