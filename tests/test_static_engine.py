@@ -206,7 +206,7 @@ def test_evaluation_warm_up_leaves_no_capture_to_the_timed_runs(monkeypatch):
     engine.small_pass = st.SMALL_PASS_TOKENS
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 120, (1, n), generator=g) for n in (150, 10, 70, 100, 130, 40)]  # buckets 192, 64, 128
-    warm_up([engine, engine], [("dflash", "dflash", None)], prompts, dict(max_new_tokens=12))
+    warm_up([engine, engine], [("dflash", "dflash", None, "match")], prompts, dict(max_new_tokens=12))
     warm = dict(captures)
     assert warm["_step (shared pool)"] == 3 and warm["_draft_step (shared pool)"] == 3, warm  # one per bucket
     for p in prompts:
