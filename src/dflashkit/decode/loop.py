@@ -292,9 +292,9 @@ def decode_stream(
     method: a `Method`, or its kind 'ar' (no drafter), 'dflash' (one chain of B-1 argmax tokens),
     'ddtree' (a tree of `budget` nodes from the top-`top_k` tokens of each slot; None: `budget` of
     them). acceptance: how sampled rounds accept (`method.Acceptance`; 'rejection': drafts drawn
-    from the drafter's distributions, `decode/accept.py`); ignored where `method` is a `Method`. Unless
-    profiling or recording, a
-    round whose tokens have not reached the host yet is read a round late, the next one already
+    from the drafter's distributions, `decode/accept.py`); ignored where `method` is a `Method`.
+    Unless profiling or recording, a round whose tokens have not reached the host yet is read a
+    round late, the next one already
     running on the device (except a cost-aware round that read its draft's scores, and, with
     `admit`, on an engine without fixed rows): a row's end is then seen a round after it, and
     that round's tokens for the row are dropped. cost_aware: measure what verification costs
