@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_drafter, make_tiny_target, read_late
+from dflashkit.decode.accept import Steps
 from dflashkit.decode.loop import generate
 from dflashkit.decode.static import attend, folded_mask, static_engine
 from dflashkit.decode.tree import visibility
@@ -109,6 +110,7 @@ def _counting_engine(monkeypatch, captures: dict[str, int]):
     engine.slot_bucket, engine.fixed_rows = st.SLOT_BUCKET, True  # as `static_engine` sets them on CUDA
     engine.draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr())
     engine.long_draft_step = Counting(engine._draft_step, lambda: engine.dcache.k.data_ptr(), shared=True)
+    engine.accept_steps = st._accept_graphs(Steps())  # (Graphs is `Counting` here)
     return engine
 
 
@@ -408,6 +410,25 @@ def test_warm_up_captures_what_a_stream_needs(monkeypatch):
     assert captures == warm, captures
 
 
+def test_warm_up_captures_the_rejection_rules_graphs(monkeypatch):
+    """Under `--acceptance rejection` the warm-up also runs sampled rounds, with top-p and
+    without: the rule's draws and checks are graphs of their own (`static._accept_graphs`), and a
+    sampled request must not wait for their capture."""
+    from dflashkit.decode.loop import DecodingGenerator
+
+    captures: dict[str, int] = {}
+    engine = _counting_engine(monkeypatch, captures)
+    gen = DecodingGenerator(engine, rows=2, acceptance="rejection")
+    gen.warm_up([5, 6, 7])
+    assert captures["_sample"] == 2 and captures["_pick"] == 2, captures  # top-p on and off
+    warm = dict(captures)
+    for top_p, seed in ((1.0, 1), (0.9, 2)):
+        params = dict(max_new_tokens=20, temperature=0.8, top_p=top_p, seed=seed, stop_ids=set())
+        for step in gen.generate_batch([([9, 10, 11, 12], params), ([13, 14], dict(params, temperature=0.0))]):
+            pass
+    assert captures == warm, captures
+
+
 def test_warm_up_makes_room_for_a_request_without_a_token_limit(monkeypatch):
     """A request without `max_tokens` reserves a long answer's room (`loop.RESERVE`, within the
     model's positions): after `warm_up` it must not grow the caches, which would drop every graph
@@ -520,3 +541,22 @@ def test_an_engine_dropped_earlier_is_not_collected_inside_a_capture(monkeypatch
     new = static_engine(target, drafter, cuda_graphs=True)
     assert generate(new, prompt, max_new_tokens=12, method="dflash").tokens == ref
     assert not old
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method,budget,top_p", [("dflash", None, 1.0), ("ddtree", 8, 0.9)])
+def test_rejection_rule_from_graphs_draws_what_it_draws_eagerly(method, budget, top_p):
+    """The rejection rule's steps replayed from CUDA graphs (`static._accept_graphs`) decode a
+    sampled, seeded request token for token as the same engine with eager steps does, round after
+    round (a graph's inputs are copied in at every replay, its outputs read before the next)."""
+    from dflashkit.decode.generation import Sampling
+
+    target = make_tiny_target()
+    target.model.cuda()
+    drafter = make_tiny_drafter(target).cuda()
+    prompt = torch.arange(3, 20, device="cuda")
+    kw = dict(max_new_tokens=40, method=method, budget=budget, acceptance="rejection", sampling=Sampling(0.8, top_p, 5))
+    engines = [static_engine(target, drafter, cuda_graphs=True) for _ in range(2)]
+    engines[1].accept_steps = Steps()  # the same engine, its rule's steps eager
+    graphed, eager = (generate(e, prompt, **kw) for e in engines)
+    assert (graphed.tokens, graphed.accept_lengths) == (eager.tokens, eager.accept_lengths)

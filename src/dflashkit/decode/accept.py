@@ -19,7 +19,8 @@ chance is 1 − TV(p, q), and the output is still exactly the target's distribut
                    nodes have one child each: the same rule.
 
 Every node's outcome (`picked_tokens`) is computed at once, then `tree.walk` follows them: no
-loop over depths and no host read.
+loop over depths and no host read. The two steps are about 200 small kernels a round; an engine
+with CUDA graphs replays each from one (`Steps`, `static.static_engine`).
 
 p and q are both the request's temperature- and top-p-adjusted distributions
 (`generation.distribution`). Greedy rows are not for this module: at temperature 0 the match
@@ -33,7 +34,7 @@ the next round while this one runs, as under the match rule.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -182,6 +183,24 @@ def picked_tokens(trees: Trees, q: Tensor, drawn: Tensor, logits: Tensor, settin
     return torch.where(ok, x, other)
 
 
+def _sample(dlogits: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor,
+            temperature: Tensor, top_p: Tensor | float, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return sampled_tokens(dlogits, Trees(tokens, parents, depths, scores), Settings(temperature, top_p), seeds)
+
+
+def _pick(tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor, q: Tensor, drawn: Tensor, logits: Tensor,
+          temperature: Tensor, top_p: Tensor | float, seeds: Tensor) -> Tensor:
+    return picked_tokens(Trees(tokens, parents, depths, scores), q, drawn, logits, Settings(temperature, top_p), seeds)
+
+
+class Steps(NamedTuple):
+    """The rule's two device steps, `sampled_tokens` and `picked_tokens`, over flat arguments
+    (tensors, and top-p's 1.0 where no row cuts): what `static.Graphs` captures and replays."""
+
+    sample: Callable[..., tuple[Tensor, Tensor, Tensor]] = _sample
+    pick: Callable[..., Tensor] = _pick
+
+
 @dataclass
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
@@ -191,24 +210,25 @@ class Rejection:
     settings: Settings
     seeds: Tensor
     greedy: Tensor | None  # [b] bool; None: every row samples
+    steps: Steps = Steps()
     q: Tensor | None = None
     drawn: Tensor | None = None
 
     @classmethod
     def of(cls, method: Method, samplings: Sequence[Sampling], gens: Sequence[random.Random | None],
-           device: torch.device) -> Rejection | None:
+           device: torch.device, steps: Steps = Steps()) -> Rejection | None:
         """The round's rejection state, or None where the match rule decides it (the method's
-        rule, or no row samples)."""
+        rule, or no row samples). steps: the engine's (eager, or replayed from CUDA graphs)."""
         greedy = [s.temperature == 0 for s in samplings]
         if method.acceptance != "rejection" or all(greedy):
             return None
         mask = to_device(greedy, device, torch.bool) if any(greedy) else None
-        return cls(Settings.of(samplings, device), round_seeds(gens, device), mask)
+        return cls(Settings.of(samplings, device), round_seeds(gens, device), mask, steps)
 
     def draft(self, draft: Draft) -> Draft:
         """The engine's draft with each sampling row's tokens drawn from the drafter's
         distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
-        tokens, self.q, self.drawn = sampled_tokens(draft.logits, draft.trees, self.settings, self.seeds)
+        tokens, self.q, self.drawn = self.steps.sample(draft.logits, *draft.trees, *self.settings, self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
         bonus = draft.tokens[:, :1]
@@ -219,7 +239,7 @@ class Rejection:
         cost-aware decoding verified) over the target's logits [b, m+1, V]: `tree.walk` over
         `picked_tokens` (greedy rows: over the target's argmax, the match rule)."""
         assert self.q is not None and self.drawn is not None, "Rejection.walk follows Rejection.draft"
-        picked = picked_tokens(trees, self.q, self.drawn, logits, self.settings, self.seeds)
+        picked = self.steps.pick(*trees, self.q, self.drawn, logits, *self.settings, self.seeds)
         if self.greedy is not None:
             picked = torch.where(self.greedy[:, None], logits.argmax(-1), picked)
         return walk(trees, anc, picked, chain)

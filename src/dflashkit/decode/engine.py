@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
 from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step, write_context
@@ -235,7 +236,8 @@ class Parts:
     one, `Engine._checked_draft`); graph_draft: the eager draft step and the key its graphs are
     captured under -> the round's draft step and the one over a small context longer than a block
     (`small_pass`); graph_commit: the engine's cache -> the commit's device work (`KVCache.apply`,
-    or its CUDA graphs).
+    or its CUDA graphs); graph_accept: the rejection rule's eager steps -> the steps a round runs
+    (`accept.Steps`, or their CUDA graphs).
 
     slot_bucket: drafter attention spans rounded up to this (fewer graph shapes). fixed_rows:
     finished rows stay in the batch, idle (committing nothing), instead of leaving it: with CUDA
@@ -253,6 +255,7 @@ class Parts:
     compile_draft: Callable[[Callable[..., Tensor]], Callable[..., Tensor]] | None = None
     graph_draft: Callable[[DraftStep, Callable[[], Any]], tuple[DraftStep, DraftStep]] | None = None
     graph_commit: Callable[[KVCache], CommitStep] | None = None
+    graph_accept: Callable[[Steps], Steps] | None = None
     slot_bucket: int = 1
     fixed_rows: bool = False
     small_pass: int = 0
@@ -288,6 +291,7 @@ class Engine:
         if parts.graph_draft is not None and drafter is not None:
             self.draft_step, self.long_draft_step = parts.graph_draft(self._draft_step, lambda: self.dcache.k.data_ptr())
         self.commit_step = parts.graph_commit(self.cache) if parts.graph_commit else self.cache.apply
+        self.accept_steps = parts.graph_accept(Steps()) if parts.graph_accept else Steps()
         self.slot_bucket, self.fixed_rows, self.small_pass = parts.slot_bucket, parts.fixed_rows, parts.small_pass
         self.geometric, self.join_pass = parts.geometric, parts.join_pass
         self.caught_up = False  # the last draft took a long context (see `draft`)

@@ -424,6 +424,10 @@ class DecodingGenerator:
         for p in (long, list(prompt)):
             generate_batch(self.engine, [torch.tensor(p)] * rows, max_new_tokens=n, method=self.method,
                            cost_aware=self.cost_aware)
+        if self.method.acceptance == "rejection":  # sampled rounds run the rule's own graphs: with top-p and without
+            for top_p in (1.0, 0.9):
+                generate_batch(self.engine, [torch.tensor(prompt)] * rows, max_new_tokens=B + 1, method=self.method,
+                               cost_aware=self.cost_aware, sampling=[Sampling(1.0, top_p, 0)] * rows)
         self.engine.warm_joins(rows)  # and the prefills of requests that join a running batch
 
     def generate_batch(self, requests: Sequence[tuple[list[int], dict[str, Any]]],

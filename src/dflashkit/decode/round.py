@@ -204,7 +204,7 @@ def speculative_round(engine: Engine, batch: Batch, method: Method, sizing: cost
     draft = engine.draft(batch.bonus, method.tree_budget, method.top_k, scored) if drafted else None
     samplings = [row.request.sampling if row else GREEDY for row in batch.rows]
     gens = [row.gen if row else None for row in batch.rows]
-    rejection = Rejection.of(method, samplings, gens, batch.bonus.device) if drafted else None
+    rejection = Rejection.of(method, samplings, gens, batch.bonus.device, engine.accept_steps) if drafted else None
     if rejection is not None:  # the sampling rows' trees: draws of the drafter's distributions
         draft = rejection.draft(draft)
     stages.mark("draft")

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from dflashkit import few_attention
 from dflashkit.decode import delta
+from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LayerKV
 from dflashkit.decode.engine import Engine, Parts, attention_backends, small
 from dflashkit.decode.tree import visibility
@@ -702,6 +703,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         compile_draft=_compiled_draft if compile_drafter else None,
         graph_draft=_draft_graphs if graphs else None,
         graph_commit=graphed_commit if runner_graphs else None,
+        graph_accept=_accept_graphs if graphs else None,
         slot_bucket=SLOT_BUCKET, fixed_rows=graphs, small_pass=SMALL_PASS_TOKENS if small_passes else 0,
         join_pass=JOIN_PASS_TOKENS if small_passes else 0)
     return Engine(target, drafter, runner, draft_tokens, parts)
@@ -720,6 +722,13 @@ def _draft_graphs(step: Callable[..., Any], key: Callable[[], Any]) -> tuple[Gra
     span) of a small context longer than a block, whose outputs are read in their round, so that
     they share one memory pool (the largest pass's)."""
     return Graphs(step, key), Graphs(step, key, shared=True)
+
+
+def _accept_graphs(steps: Steps) -> Steps:
+    """The rejection rule's draws and checks from CUDA graphs: about 200 small kernels a round,
+    launch-bound when launched one by one. One graph per shape of its inputs (batch, tree width)
+    and per whether a row cuts by top-p."""
+    return Steps(Graphs(steps.sample), Graphs(steps.pick))
 
 
 def fuse_drafter(drafter: DFlashDrafter, fuse: bool, columns: bool) -> None:
