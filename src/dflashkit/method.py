@@ -21,10 +21,10 @@ METHODS: tuple[str, ...] = get_args(Kind)
 Acceptance = Literal["match", "rejection"]
 ACCEPTANCES: tuple[str, ...] = get_args(Acceptance)
 # The default of decoding, `generate`, `eval` and `serve`: the faster one as measured. With SmolLM2
-# and its bundled drafter on an H100 at T 0.7, the rejection rule raises τ (DFlash 1.92 to 2.08,
-# DDTree-64 2.89 to 2.96), but its per-round draws and checks, about 200 small kernels, cost more
-# than that gains on a target whose round takes 1.6 ms (speed-up 1.32x to 0.88x, 1.33x to 1.10x;
-# docs/benchmarks.md).
+# and its bundled drafter on an H100, the rejection rule raises τ (T 0.7: DFlash 1.92 to 2.08,
+# DDTree-64 2.90 to 2.95; T 1.0: 1.47 to 1.72, 2.10 to 2.17), but its draws and checks, replayed
+# from CUDA graphs, cost more than that gains on a target whose round takes 1.6 ms (T 0.7:
+# speed-up 1.36x to 1.19x, 1.36x to 1.17x; T 1.0: 1.05x to 0.99x, 0.99x to 0.87x; docs/benchmarks.md).
 DEFAULT_ACCEPTANCE: Acceptance = "match"
 
 # DDTree's candidates per slot, the default of decoding, `generate`, `eval` and `serve`. None: as
