@@ -56,15 +56,14 @@ class Calibration:
         self.picked = accept.picked_tokens
         accept.picked_tokens = self
 
-    def __call__(self, trees: Any, q: Tensor, drawn: Tensor, logits: Tensor, settings: accept.Settings,
-                 seeds: Tensor) -> Tensor:
-        picked = self.picked(trees, q, drawn, logits, settings, seeds)
+    def __call__(self, trees: Any, drawn: accept.Drawn, logits: Tensor, settings: accept.Settings) -> Tensor:
+        picked = self.picked(trees, drawn, logits, settings)
         if self.key is None:
             return picked
         tokens = trees.tokens
         m = min(tokens.shape[1], SLOTS)
         p = distribution(logits[:, :m], *settings.rows(m)).double()
-        qm = q[:, :m].double()
+        qm = drawn.q[:, :m].double()
         hit = (picked[:, :m] == tokens[:, :m]).long()
         reached = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], 1).cumprod(1).double()  # [b, m]
         row = torch.stack([reached, reached * accept.expected_acceptance(p, qm),

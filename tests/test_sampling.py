@@ -62,11 +62,11 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
         seeds = torch.randint(0, 2**62, (N,), generator=g)
         dlogits = model.drafter(last, before)
         shape = draft_trees(dlogits, last, budget, None)[0]  # the match rule's trees
-        tokens, q, drawn = sampled_tokens(dlogits, shape, settings, seeds)
+        tokens, drawn = sampled_tokens(dlogits, shape, settings, seeds)
         trees = shape._replace(tokens=tokens)
         nodes = torch.cat([last[:, None], tokens], 1)  # [N, m+1]: the bonus, then the nodes
         parents = torch.cat([before[:, None], nodes.gather(1, trees.parents)], 1)
-        picked = picked_tokens(trees, q, drawn, model.target(nodes, parents), settings, seeds)
+        picked = picked_tokens(trees, drawn, model.target(nodes, parents), settings)
         walked = walk(trees, ancestors(trees.parents), picked, budget is None)
         first = walked.accepted.double().mean().item() if first is None else first
         for j in range(walked.new.shape[1]):

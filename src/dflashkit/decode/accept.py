@@ -19,16 +19,18 @@ chance is 1 − TV(p, q), and the output is still exactly the target's distribut
                    nodes have one child each: the same rule.
 
 Every node's outcome (`picked_tokens`) is computed at once, then `tree.walk` follows them: no
-loop over depths and no host read. The two steps are about 200 small kernels a round; an engine
+loop over depths and no host read. The two steps are about 140 small kernels a round; an engine
 with CUDA graphs replays each from one (`Steps`, `static.static_engine`).
 
 p and q are both the request's temperature- and top-p-adjusted distributions
 (`generation.distribution`). Greedy rows are not for this module: at temperature 0 the match
 rule is the exact one. Every draw of a row comes from one 63-bit seed per round, taken from the
 row's own stream (`round_seeds`), through a counter-based hash: a row draws the same whatever
-else the batch holds, and a round needs one host draw per row, not one per token. The seeds and
-settings reach the device without waiting for it (`cache.to_device`), so that the host queues
-the next round while this one runs, as under the match rule.
+else the batch holds, and a round needs one host draw per row, not one per token. A round's
+uniforms are hashed in one pass (the hash's kernels are a third of the rule's): each slot's
+draft draw, then each node's acceptance test and residual draw. The seeds and settings reach
+the device without waiting for it (`cache.to_device`), so that the host queues the next round
+while this one runs, as under the match rule.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-_DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3  # the streams a round's seed splits into
+_ROUND = 1  # the stream of a round's uniforms under its seed
 
 
 def _shr(x: Tensor, n: int) -> Tensor:
@@ -123,23 +125,35 @@ def _children(trees: Trees) -> tuple[Tensor, Tensor]:
     return real, count
 
 
-def sampled_tokens(dlogits: Tensor, shape: Trees, settings: Settings, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+class Drawn(NamedTuple):
+    """What `sampled_tokens` draws beside the tokens, for `picked_tokens`: the drafter's adjusted
+    distributions q [b, S, V], one draw of each slot's q [b, S], and each node's two uniforms
+    [b, 2, m+1] (its acceptance test, its residual draw; node 0 is the bonus)."""
+
+    q: Tensor
+    drawn: Tensor
+    u: Tensor
+
+
+def sampled_tokens(dlogits: Tensor, shape: Trees, settings: Settings, seeds: Tensor) -> tuple[Tensor, Drawn]:
     """The drafter's logits [b, S, V] and the trees the match rule drafts from them (`shape`:
-    `tree.draft_trees`) -> (the rejection rule's tokens for the same nodes [b, m], the drafter's
-    adjusted distributions q [b, S, V], one draw of each slot's q [b, S]). Every node with
+    `tree.draft_trees`) -> (the rejection rule's tokens for the same nodes [b, m], `Drawn`). Every node with
     children has its slot's draw among them: as the match rule's child where that is the draw
     (most often its first, the drafter's argmax), else in place of its last child (the least
     likely, with the smallest subtree). A chain's nodes are the draws. The shape is a function
     of the drafter's logits alone, as the proof needs, and the match rule's own: as bushy where
     the drafter is unsure, whatever the temperature."""
     b, S, V = dlogits.shape
+    m = shape.tokens.shape[1]
+    u = uniforms(seeds, _ROUND, (S + 2 * (m + 1),))
     q = distribution(dlogits, *settings.rows(S))
-    drawn = draw(q.flatten(0, 1), uniforms(seeds, _DRAFT, (S,)).flatten()).view(b, S)
+    drawn = draw(q.flatten(0, 1), u[:, :S].flatten()).view(b, S)
     own = drawn.gather(1, shape.depths - 1)  # [b, m]: the draw of each node's slot
     real, count = _children(shape)
     has = torch.zeros_like(count).scatter_reduce_(1, shape.parents, ((shape.tokens == own) & real).long(), "amax")
     last = real & (sibling_rank(shape.parents) == count.gather(1, shape.parents) - 1)
-    return torch.where(last & (has.gather(1, shape.parents) == 0), own, shape.tokens), q, drawn
+    tokens = torch.where(last & (has.gather(1, shape.parents) == 0), own, shape.tokens)
+    return tokens, Drawn(q, drawn, u[:, S:].view(b, 2, m + 1))
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -160,44 +174,44 @@ def expected_acceptance(p: Tensor, q: Tensor) -> Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def picked_tokens(trees: Trees, q: Tensor, drawn: Tensor, logits: Tensor, settings: Settings, seeds: Tensor) -> Tensor:
+def picked_tokens(trees: Trees, drawn: Drawn, logits: Tensor, settings: Settings) -> Tensor:
     """The rejection rule at every node at once -> the target's token at each node [b, m+1],
     for `tree.walk` to follow (a child is on the path when its token is the one picked at its
     parent): the slot's draw of q (`sampled_tokens`, a child of every node with children) where
     `accepts` takes it, else a draw of `residual(p, q)`; the node's other children are
     proposals of one token each, so that this draw picks one of them with the chance the rule
     gives it. A node without a child draws from p (the bonus after a fully accepted path).
-    q [b, S, V] and drawn [b, S]: `sampled_tokens`'; logits [b, m+1, V]: the target's at the
-    bonus and every node. Every node draws from uniforms of its own number: one pass, no loop
-    over depths."""
+    drawn: `sampled_tokens`' (for these trees, or the trees of which these are a prefix); logits
+    [b, m+1, V]: the target's at the bonus and every node. Every node draws from uniforms of its
+    own number: one pass, no loop over depths."""
     b, m = trees.tokens.shape
+    q, u = drawn.q, drawn.u[:, :, :m + 1]
     S, V = q.shape[1:]
     p = distribution(logits, *settings.rows(m + 1))  # [b, m+1, V]
     has = _children(trees)[1] > 0
     depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1).clamp(max=S - 1)
-    x = drawn.gather(1, depth)  # [b, m+1]: the draw among each node's children
+    x = drawn.drawn.gather(1, depth)  # [b, m+1]: the draw among each node's children
     qn = q.gather(1, depth[..., None].expand(-1, -1, V)) * has[..., None]  # a node without a child: q = 0
-    ok = has & accepts(uniforms(seeds, _ACCEPT, (m + 1,)), p.gather(2, x[..., None])[..., 0],
-                       qn.gather(2, x[..., None])[..., 0])
-    other = draw(residual(p, qn).flatten(0, 1), uniforms(seeds, _RESIDUAL, (m + 1,)).flatten()).view(b, m + 1)
+    ok = has & accepts(u[:, 0], p.gather(2, x[..., None])[..., 0], qn.gather(2, x[..., None])[..., 0])
+    other = draw(residual(p, qn).flatten(0, 1), u[:, 1].flatten()).view(b, m + 1)
     return torch.where(ok, x, other)
 
 
 def _sample(dlogits: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor,
-            temperature: Tensor, top_p: Tensor | float, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            temperature: Tensor, top_p: Tensor | float, seeds: Tensor) -> tuple[Tensor, Drawn]:
     return sampled_tokens(dlogits, Trees(tokens, parents, depths, scores), Settings(temperature, top_p), seeds)
 
 
-def _pick(tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor, q: Tensor, drawn: Tensor, logits: Tensor,
-          temperature: Tensor, top_p: Tensor | float, seeds: Tensor) -> Tensor:
-    return picked_tokens(Trees(tokens, parents, depths, scores), q, drawn, logits, Settings(temperature, top_p), seeds)
+def _pick(tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor, q: Tensor, drawn: Tensor, u: Tensor,
+          logits: Tensor, temperature: Tensor, top_p: Tensor | float) -> Tensor:
+    return picked_tokens(Trees(tokens, parents, depths, scores), Drawn(q, drawn, u), logits, Settings(temperature, top_p))
 
 
 class Steps(NamedTuple):
     """The rule's two device steps, `sampled_tokens` and `picked_tokens`, over flat arguments
     (tensors, and top-p's 1.0 where no row cuts): what `static.Graphs` captures and replays."""
 
-    sample: Callable[..., tuple[Tensor, Tensor, Tensor]] = _sample
+    sample: Callable[..., tuple[Tensor, Drawn]] = _sample
     pick: Callable[..., Tensor] = _pick
 
 
@@ -205,14 +219,13 @@ class Steps(NamedTuple):
 class Rejection:
     """A round under the rejection rule: its rows' settings and seeds, which rows decode
     greedily (their trees and walk are the match rule's: exact at temperature 0), and, once the
-    draft is made, the drafter's distributions q [b, S, V] and its draws [b, S]."""
+    draft is made, what it drew (`Drawn`)."""
 
     settings: Settings
     seeds: Tensor
     greedy: Tensor | None  # [b] bool; None: every row samples
     steps: Steps = Steps()
-    q: Tensor | None = None
-    drawn: Tensor | None = None
+    drawn: Drawn | None = None
 
     @classmethod
     def of(cls, method: Method, samplings: Sequence[Sampling], gens: Sequence[random.Random | None],
@@ -228,7 +241,7 @@ class Rejection:
     def draft(self, draft: Draft) -> Draft:
         """The engine's draft with each sampling row's tokens drawn from the drafter's
         distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
-        tokens, self.q, self.drawn = self.steps.sample(draft.logits, *draft.trees, *self.settings, self.seeds)
+        tokens, self.drawn = self.steps.sample(draft.logits, *draft.trees, *self.settings, self.seeds)
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
         bonus = draft.tokens[:, :1]
@@ -238,8 +251,8 @@ class Rejection:
         """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that
         cost-aware decoding verified) over the target's logits [b, m+1, V]: `tree.walk` over
         `picked_tokens` (greedy rows: over the target's argmax, the match rule)."""
-        assert self.q is not None and self.drawn is not None, "Rejection.walk follows Rejection.draft"
-        picked = self.steps.pick(*trees, self.q, self.drawn, logits, *self.settings, self.seeds)
+        assert self.drawn is not None, "Rejection.walk follows Rejection.draft"
+        picked = self.steps.pick(*trees, *self.drawn, logits, *self.settings)
         if self.greedy is not None:
             picked = torch.where(self.greedy[:, None], logits.argmax(-1), picked)
         return walk(trees, anc, picked, chain)
