@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,9 +47,6 @@ from dflashkit.decode.cache import to_device
 from dflashkit.decode.generation import Sampling, distribution, draw
 from dflashkit.decode.tree import Trees, Walk, walk
 from dflashkit.method import Method
-
-if TYPE_CHECKING:
-    from dflashkit.decode.engine import Draft
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -238,14 +235,14 @@ class Rejection:
         mask = to_device(greedy, device, torch.bool) if any(greedy) else None
         return cls(Settings.of(samplings, device), round_seeds(gens, device), mask, steps)
 
-    def draft(self, draft: Draft) -> Draft:
-        """The engine's draft with each sampling row's tokens drawn from the drafter's
-        distributions (`sampled_tokens`, on the same trees); greedy rows keep theirs."""
-        tokens, self.drawn = self.steps.sample(draft.logits, *draft.trees, *self.settings, self.seeds)
+    def draft(self, dlogits: Tensor, trees: Trees) -> Trees:
+        """The drafter's logits [b, S, V] and the trees the engine drafted from them -> the same
+        trees, each sampling row's tokens drawn from the drafter's distributions
+        (`sampled_tokens`); greedy rows keep theirs."""
+        tokens, self.drawn = self.steps.sample(dlogits, *trees, *self.settings, self.seeds)
         if self.greedy is not None:
-            tokens = torch.where(self.greedy[:, None], draft.trees.tokens, tokens)
-        bonus = draft.tokens[:, :1]
-        return draft._replace(trees=draft.trees._replace(tokens=tokens), tokens=torch.cat([bonus, tokens], 1))
+            tokens = torch.where(self.greedy[:, None], trees.tokens, tokens)
+        return trees._replace(tokens=tokens)
 
     def walk(self, trees: Trees, anc: Tensor, logits: Tensor, chain: bool) -> Walk:
         """The acceptance walk of `trees` (the sampled draft's, or the prefix of them that

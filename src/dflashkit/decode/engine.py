@@ -107,6 +107,10 @@ class Draft(NamedTuple):
     depths: Tensor
     ancestors: Tensor
 
+    def retokened(self, trees: Trees) -> Draft:
+        """The same draft over other tokens of the same trees (the rejection rule's draws)."""
+        return self._replace(trees=trees, tokens=torch.cat([self.tokens[:, :1], trees.tokens], 1))
+
 
 class Runner(Protocol):
     def __call__(self, cache: KVCache, tokens: Tensor, depths: Tensor, ancestors: Tensor, n: int,
