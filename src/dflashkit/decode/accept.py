@@ -134,12 +134,12 @@ class Drawn(NamedTuple):
 
 def sampled_tokens(dlogits: Tensor, shape: Trees, settings: Settings, seeds: Tensor) -> tuple[Tensor, Drawn]:
     """The drafter's logits [b, S, V] and the trees the match rule drafts from them (`shape`:
-    `tree.draft_trees`) -> (the rejection rule's tokens for the same nodes [b, m], `Drawn`). Every node with
-    children has its slot's draw among them: as the match rule's child where that is the draw
-    (most often its first, the drafter's argmax), else in place of its last child (the least
-    likely, with the smallest subtree). A chain's nodes are the draws. The shape is a function
-    of the drafter's logits alone, as the proof needs, and the match rule's own: as bushy where
-    the drafter is unsure, whatever the temperature."""
+    `tree.draft_trees`) -> (the rejection rule's tokens for the same nodes [b, m], `Drawn`).
+    Every node with children has its slot's draw among them: as the match rule's child where
+    that is the draw (most often its first, the drafter's argmax), else in place of its last
+    child (the least likely, with the smallest subtree). A chain's nodes are the draws. The shape
+    is a function of the drafter's logits alone, as the proof needs, and the match rule's own: as
+    bushy where the drafter is unsure, whatever the temperature."""
     b, S, V = dlogits.shape
     m = shape.tokens.shape[1]
     u = uniforms(seeds, _ROUND, (S + 2 * (m + 1),))

@@ -725,9 +725,9 @@ def _draft_graphs(step: Callable[..., Any], key: Callable[[], Any]) -> tuple[Gra
 
 
 def _accept_graphs(steps: Steps) -> Steps:
-    """The rejection rule's draws and checks from CUDA graphs: about 200 small kernels a round,
-    launch-bound when launched one by one. One graph per shape of its inputs (batch, tree width)
-    and per whether a row cuts by top-p."""
+    """The rejection rule's draws and checks from CUDA graphs: about 140 small kernels a round,
+    launch-bound when launched one by one (Inductor fails to compile them on CUDA, torch 2.11). One
+    graph per shape of its inputs (batch, tree width) and per whether a row cuts by top-p."""
     return Steps(Graphs(steps.sample), Graphs(steps.pick))
 
 
