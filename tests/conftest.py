@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -72,6 +73,26 @@ def make_tiny_drafter(target: Target, seed: int = 1, **kw) -> DFlashDrafter:
     kw.setdefault("num_taps", 3)
     kw.setdefault("block_size", 8)
     return DFlashDrafter(drafter_config_for_target(target.config, mask_token_id=target.vocab_size - 1, **kw)).float()
+
+
+FAMILY = {"dflash2": dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
+          "dspark": dict(markov_rank=8, enable_confidence_head=True, confidence_head_with_markov=True,
+                         sample_from_anchor=True)}
+
+
+def make_tiny_family(target: Target, kind: str, seed: int = 1, family: dict | None = None, **kw) -> DFlashDrafter:
+    """A tiny drafter of the family member `kind` (its `FAMILY` fields, updated by `family`; kw as
+    `make_tiny_drafter`) with every weight random: convolutions that are not the identity, a
+    Markov bias that is not zero."""
+    base = make_tiny_drafter(target, seed, **kw)
+    drafter = DFlashDrafter(replace(base.config, **{**FAMILY[kind], **(family or {})})).float()
+    drafter.load_state_dict(base.state_dict(), strict=False)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name not in base.state_dict():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return drafter
 
 
 def ragged_trees(sizes: list[int], V: int, gen: torch.Generator, slots: int = 6, top_k: int = 3) -> Trees:

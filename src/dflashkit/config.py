@@ -63,6 +63,20 @@ class DrafterSettings(_Section):
     init_from: str | None = Field(None, description="start from this reference-format drafter directory")
     grow_layers: Int = Field(0, ge=0, description="with init_from: append this many layers that start as "
                              "the identity, so training begins at the loaded drafter's acceptance with more capacity")
+    kind: Literal["dflash", "dflash2", "dspark"] | None = Field(
+        None, description="the family member: 'dflash' (the backbone), 'dflash2' (block convolutions + candidate "
+        "selector), 'dspark' (Markov head + confidence head); None = 'dflash', or init_from's kind. With init_from "
+        "a DFlash drafter, 'dflash2' / 'dspark' add their modules as fresh (convolutions identity, Markov bias zero)")
+    conv_kernel_size: Int = Field(2, ge=1, description="dflash2: taps of each block convolution")
+    conv_group_size: Int = Field(16, ge=1, description="dflash2: channels sharing one dynamic kernel")
+    selector_rank: Int = Field(256, ge=1, description="dflash2: rank of the candidate selector")
+    selector_top_k: Int = Field(16, ge=1, description="dflash2: unary candidates per slot the selector reranks")
+    markov_rank: Int = Field(256, ge=1, description="dspark: rank of the Markov head")
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = Field("vanilla", description="dspark: the Markov head's kind")
+    enable_confidence_head: Bool = Field(True, description="dspark: attach the acceptance-probability head")
+    confidence_head_with_markov: Bool = Field(True, description="dspark: the confidence head also reads the Markov embedding")
+    sample_from_anchor: Bool | None = Field(None, description="anchor-first layout (slot 0 drafts too); None = "
+                                            "true for dspark, false otherwise")
 
     @model_validator(mode="after")
     def _sliding_needs_window(self) -> "DrafterSettings":
@@ -122,11 +136,15 @@ class TrainConfig(_Section):
     kl_weight: Float = Field(1.0, ge=0, le=1, description="share of KL in the 'kl' loss; rest is hard CE")
     kl_temperature: Float = Field(1.0, gt=0)
     dpace_alpha: Float = Field(0.5, gt=0, le=1, description="confidence smoothing of the 'dpace' loss")
+    selector_loss_alpha: Float = Field(1.0, ge=0, description="dflash2: weight of the selector's K-way cross-entropy")
     feature_noise: Float = Field(0.0, ge=0, description="std of Gaussian noise on fc inputs only")
     attention: Literal["auto", "sdpa", "flex"] = Field("auto", description="auto: flex on GPU, sdpa on CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU")
     compile: Bool | None = Field(None, description="torch.compile the drafter layers; None = on CUDA")
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="under torchrun: DDP (auto) or FSDP2")
+    dist_timeout: Float = Field(600.0, ge=10, description="under torchrun: seconds a collective waits for a rank "
+                                "that does not arrive before the job fails (torchrun --max-restarts then restarts "
+                                "it); cover the longest wait of a sound job: loading the target, a checkpoint save")
     optimizer_state: Literal["device", "host"] = Field(
         "device", description="where the fp32 master weights and AdamW moments live: 'host' streams them through "
         "the GPU at each optimiser step (same results, ~24 bytes per drafter parameter over PCIe per step), for a "

@@ -18,13 +18,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflashkit import few_attention
+from dflashkit import family, few_attention
 from dflashkit import masks as masks_mod
 from dflashkit.kernels import heads
 from dflashkit.kernels.packed import fused_linear
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
+# The family's config fields, written into `dflash_config` where they differ from these defaults
+# (a DFlash drafter's config.json holds none of them).
+FAMILY_FIELDS = {"conv_kernel_size": None, "conv_group_size": 16, "selector_rank": None, "selector_top_k": 16,
+                 "markov_rank": 0, "markov_head_type": "vanilla", "enable_confidence_head": False,
+                 "confidence_head_with_markov": False, "sample_from_anchor": False}
+WRITTEN = {"dflash": (), "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+           "dspark": ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                      "sample_from_anchor")}  # always, for the kind: its fields say what it is
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -72,6 +81,16 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     attention_bias: bool = False
+    # The family's optional modules (family.py), under the reference names; None / 0 / False: absent.
+    conv_kernel_size: int | None = None  # DFlash 2: taps of the block convolutions
+    conv_group_size: int = 16  # DFlash 2: channels sharing one dynamic kernel
+    selector_rank: int | None = None  # DFlash 2: rank of the candidate selector
+    selector_top_k: int = 16  # DFlash 2: unary candidates per slot
+    markov_rank: int = 0  # DSpark: rank of the Markov head
+    markov_head_type: str = "vanilla"  # DSpark: vanilla | gated | rnn
+    enable_confidence_head: bool = False  # DSpark
+    confidence_head_with_markov: bool = False  # DSpark: the head also reads the Markov embedding
+    sample_from_anchor: bool = False  # anchor-first layout: slot k predicts the token at anchor + k + 1
     # Keys of a foreign config.json we do not interpret (bos/eos ids, dtype...), kept on round trip.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -101,6 +120,40 @@ class DrafterConfig:
             raise bad("mask_token_id", f"a token id in [0, {self.vocab_size - 1}]")
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad("num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}")
+        self._validate_family(bad)
+
+    def _validate_family(self, bad) -> None:
+        if self.conv_kernel_size is not None and not 1 <= self.conv_kernel_size <= self.block_size:
+            raise bad("conv_kernel_size", f"an int in [1, block_size={self.block_size}]")
+        if self.conv_kernel_size is not None and (self.conv_group_size < 1 or self.hidden_size % self.conv_group_size):
+            raise bad("conv_group_size", f"a divisor of hidden_size={self.hidden_size}")
+        if self.selector_rank is not None and self.selector_rank < 1:
+            raise bad("selector_rank", "a positive int (or null: no selector)")
+        if self.selector_rank is not None and not 1 <= self.selector_top_k <= self.vocab_size:
+            raise bad("selector_top_k", f"an int in [1, vocab_size={self.vocab_size}]")
+        if self.markov_rank < 0:
+            raise bad("markov_rank", "an int >= 0 (0: no Markov head)")
+        if self.markov_head_type not in family.MARKOV_KINDS:
+            raise bad("markov_head_type", f"one of {family.MARKOV_KINDS}")
+        if self.confidence_head_with_markov and self.enable_confidence_head and not self.markov_rank:
+            raise bad("confidence_head_with_markov", "false when markov_rank is 0 (there is no Markov embedding to read)")
+        if self.kind_of_modules() == "both":
+            raise bad("markov_rank", "0 when DFlash 2's modules are declared (a drafter is DFlash 2 or DSpark, not both)")
+
+    def kind_of_modules(self) -> str:
+        dflash2 = self.conv_kernel_size is not None or self.selector_rank is not None
+        dspark = bool(self.markov_rank) or self.enable_confidence_head
+        return "both" if dflash2 and dspark else "dflash2" if dflash2 else "dspark" if dspark else "dflash"
+
+    @property
+    def kind(self) -> str:
+        """'dflash', 'dflash2' or 'dspark': which of the family the declared modules make."""
+        return self.kind_of_modules()
+
+    @property
+    def draft_slots(self) -> range:
+        """The block slots that predict a token: 1..B-1 (bonus-first), 0..B-1 (anchor-first)."""
+        return range(0 if self.sample_from_anchor else 1, self.block_size)
 
     @property
     def num_taps(self) -> int:
@@ -111,10 +164,12 @@ class DrafterConfig:
         d = asdict(self)
         extra = d.pop("extra")
         ids, mask_id = d.pop("target_layer_ids"), d.pop("mask_token_id")
+        declared = {k: d.pop(k) for k in FAMILY_FIELDS}
+        declared = {k: v for k, v in declared.items() if k in WRITTEN[self.kind] or v != FAMILY_FIELDS[k]}
         ref = {
             **extra,
             **d,
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURES[self.kind]],
             "model_type": "qwen3",
             "hidden_act": "silu",
             "attention_dropout": 0.0,
@@ -122,7 +177,7 @@ class DrafterConfig:
             "tie_word_embeddings": False,
             "use_sliding_window": SLIDING in self.layer_types,
             "max_window_layers": self.num_hidden_layers,
-            "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": ids},
+            "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": ids, **declared},
         }
         return dict(sorted(ref.items()))
 
@@ -146,8 +201,9 @@ class DrafterConfig:
                if k in d and (isinstance(d[k], bool) or not isinstance(d[k], int) or d[k] < 1)]
         if bad:
             raise ValueError(f"{source}: {', '.join(bad)}: expected positive integers")
-        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "target_layer_ids", "mask_token_id")}
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "target_layer_ids", "mask_token_id", *FAMILY_FIELDS)}
         kwargs = {k: d.pop(k) for k in list(d) if k in known}
+        kwargs.update(family_fields(dflash, source))
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         if "rope_theta" not in kwargs and "rope_theta" in rope:
@@ -162,6 +218,19 @@ class DrafterConfig:
                        mask_token_id=int(dflash["mask_token_id"]), extra=d)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
+
+
+def family_fields(dflash: dict[str, Any], source: str) -> dict[str, Any]:
+    """The family's fields of a `dflash_config`, each checked for its type (values by `validate`)."""
+    out = {}
+    for k, default in FAMILY_FIELDS.items():
+        if k not in dflash or dflash[k] is None and default is not None:
+            continue
+        v, kind = dflash[k], type(default) if default is not None else int
+        if not (v is None or isinstance(v, kind) and (kind is not int or not isinstance(v, bool))):
+            raise ValueError(f"{source}: 'dflash_config.{k}' is {v!r}: expected {'true or false' if kind is bool else kind.__name__}")
+        out[k] = v
+    return out
 
 
 # ---- building blocks --------------------------------------------------------------------
@@ -328,11 +397,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.conv_kernel_size is not None:  # DFlash 2
+            self.attention_conv = family.BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = family.BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_c, mask, cache) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_c, mask, cache, block: int) -> Tensor:
+        """block: the positions of one block in the stream x (its blocks follow one another)."""
         # The context is already normalised by `hidden_norm`; only the block stream is pre-normed.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_c, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), fused=cache is not None)
+        convs = getattr(self, "attention_conv", None), getattr(self, "mlp_conv", None)
+        h = self.input_layernorm(x)
+        if convs[0] is None:
+            x = x + self.self_attn(h, ctx, rope_q, rope_c, mask, cache)
+            return x + self.mlp(self.post_attention_layernorm(x), fused=cache is not None)
+        h, out_kernel = convs[0].prepare(h, block)
+        x = x + convs[0].finish(self.self_attn(h, ctx, rope_q, rope_c, mask, cache), out_kernel, block)
+        h, out_kernel = convs[1].prepare(self.post_attention_layernorm(x), block)
+        return x + convs[1].finish(self.mlp(h, fused=cache is not None), out_kernel, block)
 
 
 class DFlashDrafter(nn.Module):
@@ -345,6 +425,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        c = config
+        if c.selector_rank is not None:  # DFlash 2
+            self.candidate_selector = family.CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k)
+        if c.markov_rank:  # DSpark
+            self.markov_head = family.MarkovHead(c.vocab_size, c.hidden_size, c.markov_rank, c.markov_head_type)
+        if c.enable_confidence_head:
+            self.confidence_head = family.ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -355,6 +442,23 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        self.reset_family()
+
+    def reset_family(self) -> None:
+        """The family's modules as fresh: convolutions identity, Markov bias zero, selector random.
+        On a trained DFlash backbone this is DFlash 2's or DSpark's starting point."""
+        for m in self.modules():
+            if isinstance(m, (family.BlockConv, family.CandidateSelector, family.MarkovHead)):
+                m.reset_parameters()
+
+    def selector(self) -> family.CandidateSelector | None:
+        return getattr(self, "candidate_selector", None)
+
+    def markov(self) -> family.MarkovHead | None:
+        return getattr(self, "markov_head", None)
+
+    def confidence(self) -> family.ConfidenceHead | None:
+        return getattr(self, "confidence_head", None)
 
     def forward(
         self,
@@ -377,9 +481,10 @@ class DFlashDrafter(nn.Module):
             rope_c, rope_q = None, (cos[:, :, c:], sin[:, :, c:])  # (the context's rows: `cache.rope`)
             cache = replace(cache, rope=(cos, sin))
             self.allocate(cache.kv, x)  # the buffers exist before any layer takes its own view of them
+        block = cfg.block_size if cache is None else x.shape[1]  # (decoding: one block, maybe shorter)
         for i, layer in enumerate(self.layers):
             mine = None if cache is None else replace(cache, layer=i)
-            x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine)
+            x = layer(x, ctx, rope_q, rope_c, layer_masks[cfg.layer_types[i]], mine, block)
         return self.norm(x)
 
     def context(self, ctx_features: Tensor) -> Tensor:
@@ -581,6 +686,40 @@ def grow(drafter: DFlashDrafter, extra: int) -> DFlashDrafter:
     return grown
 
 
+def family_config(cfg: DrafterConfig, settings: Any) -> DrafterConfig:
+    """`cfg` declaring the modules of `settings.kind` (`config.DrafterSettings`) with its fields."""
+    s = settings
+    first = s.sample_from_anchor if s.sample_from_anchor is not None else s.kind == "dspark"
+    if s.kind == "dflash2":
+        return replace(cfg, conv_kernel_size=s.conv_kernel_size, conv_group_size=s.conv_group_size,
+                       selector_rank=s.selector_rank, selector_top_k=s.selector_top_k, sample_from_anchor=first)
+    if s.kind == "dspark":
+        return replace(cfg, markov_rank=s.markov_rank, markov_head_type=s.markov_head_type,
+                       enable_confidence_head=s.enable_confidence_head,
+                       confidence_head_with_markov=s.confidence_head_with_markov, sample_from_anchor=first)
+    return replace(cfg, sample_from_anchor=first)
+
+
+def upgraded(drafter: DFlashDrafter, settings: Any) -> DFlashDrafter:
+    """A DFlash drafter as the start of a DFlash 2 or DSpark one: the backbone's weights, the new
+    modules fresh (`DFlashDrafter.reset_family`): it drafts exactly as before until trained."""
+    cfg = drafter.config
+    if cfg.kind != "dflash":
+        raise ValueError(f"drafter.kind={settings.kind!r}: drafter.init_from is already a {cfg.kind} drafter; "
+                         "leave drafter.kind unset to continue training it")
+    if settings.sample_from_anchor and not cfg.sample_from_anchor:
+        raise ValueError("drafter.sample_from_anchor: a bonus-first DFlash drafter cannot start an anchor-first one "
+                         "(its slots predict other positions); set drafter.sample_from_anchor=false")
+    settings = settings.model_copy(update={"sample_from_anchor": cfg.sample_from_anchor})
+    ref = next(drafter.parameters())
+    with torch.random.fork_rng(devices=[]):
+        out = DFlashDrafter(family_config(cfg, settings)).to(device=ref.device, dtype=ref.dtype)
+    missing, unexpected = out.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected:
+        raise ValueError(f"upgrading the drafter: tensors {unexpected[:4]} have no place in a {out.config.kind} drafter")
+    return out
+
+
 def new_drafter(target: Any, settings: Any) -> DFlashDrafter:
     """A fresh drafter for `target` (a `dflashkit.target.Target`) from `config.DrafterSettings`."""
     from dflashkit.vocab import default_mask_token_id
@@ -597,4 +736,4 @@ def new_drafter(target: Any, settings: Any) -> DFlashDrafter:
         target_layer_ids=settings.target_layer_ids, block_size=settings.block_size,
         layer_types=settings.layer_types, sliding_window=settings.sliding_window,
         intermediate_size=settings.intermediate_size)
-    return DFlashDrafter(cfg).to(device=target.device, dtype=target.dtype)
+    return DFlashDrafter(family_config(cfg, settings)).to(device=target.device, dtype=target.dtype)

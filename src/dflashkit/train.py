@@ -49,11 +49,12 @@ from torch.nn.utils import get_total_norm
 from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, complete_lines, load_drafter,
                                   load_training_state, save_drafter, target_problems, temp_path)
 from dflashkit import versions
-from dflashkit.config import dump_config
-from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow
+from dflashkit.config import TrainConfig, dump_config
+from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow, upgraded
 from dflashkit.optim import HostAdamW
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
-                                 check_label_sources, micro_batch, pad_anchors, replay_rounds, sample_anchors)
+                                 check_label_sources, family_metrics, family_sums, micro_batch, pad_anchors,
+                                 replay_rounds, sample_anchors)
 from dflashkit.progress import progress
 from dflashkit.rundir import output_directory, replace_dir
 
@@ -78,16 +79,16 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(cuda: bool) -> Dist:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK (one node or many: its rendezvous does the rest)."""
+def init_distributed(cuda: bool, timeout_s: float = TrainConfig.model_fields["dist_timeout"].default) -> Dist:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK (one node or many: its rendezvous does the rest);
+    a collective that waits `timeout_s` seconds fails, so that torchrun can restart the job."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist()
     d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
     if cuda:
         torch.cuda.set_device(d.local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+    join_job("nccl" if cuda else "gloo", timeout_s)
     return d
 
 
@@ -242,7 +243,8 @@ class Batcher:
             for j, ((k, _), (x, _, _)) in enumerate(zip(items, seqs)):
                 g = _generator(seed, "noise", k, device=taps.device)
                 taps[j, : len(x)] = add_feature_noise(taps[j, : len(x)], self.tcfg.feature_noise, g)
-        mb = micro_batch(ids, loss_mask, valid, taps, anchors, anchor_valid, self.cfg.block_size, final)
+        mb = micro_batch(ids, loss_mask, valid, taps, anchors, anchor_valid, self.cfg.block_size, final,
+                         self.cfg.sample_from_anchor)
         return mb.to(self.device, self.dtype)
 
 
@@ -317,7 +319,10 @@ class Trainer:
             self._compile(drafter, compile)
             mesh = init_device_mesh(torch.device(device).type, (d.world,))
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            for layer in drafter.layers:
+            # The family's heads run after the drafter's forward (on the LM head's candidates): each its
+            # own unit, gathered by its own forward.
+            heads = [m for m in (drafter.selector(), drafter.markov(), drafter.confidence()) if m is not None]
+            for layer in [*drafter.layers, *heads]:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             self.model = fully_shard(drafter, mesh=mesh, mp_policy=mp)
             self.params = list(drafter.parameters())
@@ -385,14 +390,14 @@ class Trainer:
         """Forward + backward of each micro-batch, gradients summed; -> the step's statistics
         [loss sum, weight sum, per-slot correct, per-slot count, blocks], on the device."""
         self.model.train()
-        B = self.cfg.block_size
-        acc = torch.zeros(3 + 2 * B, dtype=torch.float64, device=self.head_weight.device)
+        B, extra = self.cfg.block_size, family_sums(self.cfg.kind)
+        acc = torch.zeros(3 + 2 * B + len(extra), dtype=torch.float64, device=self.head_weight.device)
         for i, mb in enumerate(batches):
             with self._sync(i == n - 1):
                 out = self._forward(mb)
                 out.loss_sum.backward()
             acc += torch.cat([out.loss_sum.detach()[None], out.weight_sum[None], out.slot_correct, out.slot_count,
-                              out.block_valid.sum()[None]]).double()
+                              out.block_valid.sum()[None], *(out.extra[k][None] for k in extra)]).double()
         return acc
 
     def update(self, acc: Tensor) -> dict[str, float]:
@@ -408,10 +413,13 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         correct, count = acc[2: 2 + B], acc[2 + B: 2 + 2 * B]
+        names = family_sums(self.cfg.kind)
+        first = int(not self.cfg.sample_from_anchor)
         return {"loss": float(loss_sum / weight_sum) if has_labels else float("nan"),
-                "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
+                "acc": float(correct[first:].sum() / count[first:].sum().clamp(min=1)),
                 "grad_norm": float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                "lr": lr, "block_tokens": float(acc[-1]) * B}
+                "lr": lr, "block_tokens": float(acc[2 + 2 * B]) * B,
+                **family_metrics(self.cfg.kind, dict(zip(names, acc[3 + 2 * B:].tolist())))}
 
     def _device_update(self, scale: float, has_labels: bool) -> Tensor:
         grads = []
@@ -469,14 +477,16 @@ class Trainer:
         self.model.eval()
         B = self.cfg.block_size
         dev = self.head_weight.device
-        acc = torch.zeros(2 + 2 * B + (B + 1), dtype=torch.float64, device=dev)
+        names = family_sums(self.cfg.kind)
+        acc = torch.zeros(2 + 2 * B + (B + 1) + len(names), dtype=torch.float64, device=dev)
         replayed = [0, 0]  # tokens, rounds
         for mb, counted in batches:
             out = self._forward(mb)
             if not counted:
                 continue
             hist = torch.bincount(out.accept_len[out.block_valid], minlength=B + 1)
-            acc += torch.cat([out.loss_sum[None], out.weight_sum[None], out.slot_correct, out.slot_count, hist]).double()
+            acc += torch.cat([out.loss_sum[None], out.weight_sum[None], out.slot_correct, out.slot_count, hist,
+                              *(out.extra[k][None] for k in names)]).double()
             n = mb.anchors.shape[1]
             for anchors, taus, valid in zip(mb.anchors.tolist(), out.accept_len.view(-1, n).tolist(),
                                             out.block_valid.view(-1, n).tolist()):
@@ -489,11 +499,13 @@ class Trainer:
         correct, count, hist = acc[2: 2 + B], acc[2 + B: 2 + 2 * B], acc[2 + 2 * B: 3 + 3 * B]
         n_blocks = float(hist.sum())
         tau = float((hist * torch.arange(B + 1, device=dev)).sum() / max(n_blocks, 1.0))
+        first = int(not self.cfg.sample_from_anchor)
         return {"loss": float(acc[0] / acc[1].clamp(min=1e-12)),
-                "acc": float(correct[1:].sum() / count[1:].sum().clamp(min=1)),
+                "acc": float(correct[first:].sum() / count[first:].sum().clamp(min=1)),
                 "tau_sim": tau, "tau_rounds": float(acc[-2] / acc[-1].clamp(min=1)),
-                "slot_acc": [round(float(c / max(float(k), 1.0)), 4) for c, k in zip(correct[1:], count[1:])],
-                "accept_hist": [int(h) for h in hist[1:]], "blocks": int(n_blocks)}
+                "slot_acc": [round(float(c / max(float(k), 1.0)), 4) for c, k in zip(correct[first:], count[first:])],
+                "accept_hist": [int(h) for h in hist[1:]], "blocks": int(n_blocks),
+                **family_metrics(self.cfg.kind, dict(zip(names, acc[3 + 3 * B: 3 + 3 * B + len(names)].tolist())))}
 
     # ---- full, process-count-independent state (collective under FSDP: every rank must call) ----
     def full_params(self) -> dict[str, Tensor]:
@@ -899,7 +911,7 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
         resume, overwrite = (True, False) if (Path(cfg.train.output_dir) / "latest.json").is_file() else (None, True)
     t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
-    d = init_distributed(want.type == "cuda")
+    d = init_distributed(want.type == "cuda", cfg.train.dist_timeout)
     with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=overwrite, main=d.main), \
             stop_signals() as stop:
         return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume, probes or {}, stop)
@@ -945,7 +957,8 @@ def _new_or_loaded_drafter(cfg, target: Any, resume_dir: Path | None) -> DFlashD
         return load_drafter(resume_dir, target)
     if cfg.drafter.init_from:
         drafter = load_drafter(cfg.drafter.init_from, target)
-        return grow(drafter, cfg.drafter.grow_layers) if cfg.drafter.grow_layers else drafter
+        drafter = grow(drafter, cfg.drafter.grow_layers) if cfg.drafter.grow_layers else drafter
+        return upgraded(drafter, cfg.drafter) if cfg.drafter.kind not in (None, drafter.config.kind) else drafter
     from dflashkit.drafter import new_drafter
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -1123,9 +1136,20 @@ def _refit_budget(run: Run, done: int, step_s: list[float], eval_s: list[float],
 
 
 def _loop(run: Run, stop: list[int], t_begin: float) -> None:
+    """`_steps` under a heartbeat when there are several ranks: the progress line keeps coming
+    while a step waits, and a rank that does not arrive is named."""
+    bar = progress(total=run.total, initial=run.start, desc="train", unit="step", disable=not run.d.main)
+    if run.d.world == 1:
+        return _steps(run, stop, t_begin, bar, None)
+    from dflashkit.progress import interval_seconds
+
+    with Heartbeat(interval_seconds(), run.cfg.train.dist_timeout, bar.refresh) as beat:
+        _steps(run, stop, t_begin, bar, beat)
+
+
+def _steps(run: Run, stop: list[int], t_begin: float, bar: Any, beat: Heartbeat | None) -> None:
     """Steps from `run.start` to `run.total`: train, log, evaluate, save; a stop signal saves and raises."""
     tc, d = run.cfg.train, run.d
-    bar = progress(total=run.total, initial=run.start, desc="train", unit="step", disable=not d.main)
     t_last, tokens = time.perf_counter(), 0.0
     step_s: list[float] = []  # seconds per training step, evaluations and saves apart
     eval_s: list[float] = []
@@ -1135,6 +1159,8 @@ def _loop(run: Run, stop: list[int], t_begin: float) -> None:
         if signum := stop_requested(stop, d):
             raise _stop(run, step, signum, bar)
         t_step = time.perf_counter()
+        if beat is not None:
+            beat.at(step + 1)
         groups = step_items(step, tc.batch_size, tc.micro_batch_size, d, run.train_idx, tc.seed)
         stats = run.trainer.step((run.batcher.build(g) for g in groups), len(groups))
         step = done = step + 1

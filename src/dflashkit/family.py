@@ -1,0 +1,159 @@
+"""The optional modules of the drafter family: one DFlash backbone (`drafter.py`), and what a
+checkpoint's config declares on top of it.
+
+* DFlash 2 (Inco AI with Z Lab): `BlockConv`, a grouped dynamic depthwise convolution around each
+  attention and MLP sublayer (`conv_kernel_size`, `conv_group_size`), and `CandidateSelector`,
+  low-rank edge scores between consecutive block tokens over the unary head's top-K
+  (`selector_rank`, `selector_top_k`).
+* DSpark (DeepSeek): `MarkovHead`, a low-rank logit bias from the token drafted before
+  (`markov_rank`, `markov_head_type`), and `ConfidenceHead`, each position's acceptance probability
+  (`enable_confidence_head`, `confidence_head_with_markov`).
+
+Tensor names are the reference ones (speculators' `dflash2` and `dspark` models): an export loads
+there unchanged. Every module here computes on the block stream only, never on the context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+MARKOV_KINDS = ("vanilla", "gated", "rnn")
+
+
+def block_conv(x: Tensor, delta: Tensor, base: Tensor, block: int, group: int) -> Tensor:
+    """A causal depthwise convolution inside each block of `block` positions.
+
+    x [b, n * block, H]; delta [b, n * block, k, G] (a per-position kernel for each group of `group`
+    channels); base [k, H]. Output position t is sum over taps j of x[t - j] * (base[j] + delta[t, j]),
+    where a tap that reaches before its block's first position reads zero."""
+    b, q, H = x.shape
+    k, G = base.shape[0], H // group
+    xs = x.view(b, q // block, block, G, group)
+    ds = delta.view(b, q // block, block, k, G)
+    out = torch.zeros_like(xs)
+    for j in range(min(k, block)):
+        shifted = xs if j == 0 else torch.cat([xs.new_zeros(b, q // block, j, G, group), xs[:, :, :-j]], dim=2)
+        coef = base[j].to(xs.dtype).view(G, group) + ds[:, :, :, j, :, None]
+        out = out + shifted * coef
+    return out.view(b, q, H)
+
+
+class BlockConv(nn.Module):
+    """The two convolutions around one sublayer (input side, output side), their per-position
+    kernels both projected from the sublayer's input. Identity at initialisation: a fresh DFlash 2
+    layer computes what its DFlash layer does."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+        """x [b, q, H] (the normed sublayer input) -> (its convolution, the output side's kernel)."""
+        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return block_conv(x, kernels[..., 0, :, :], self.base_kernel[0], block, self.group_size), kernels[..., 1, :, :]
+
+    def finish(self, y: Tensor, delta: Tensor, block: int) -> Tensor:
+        return block_conv(y, delta, self.base_kernel[1], block, self.group_size)
+
+
+class CandidateSelector(nn.Module):
+    """Edge scores over the unary head's top-K: score(p -> c | h) = unary[c] + <P[p] * W h, S[c]>,
+    P and S codebooks of rank r over the vocabulary, W a projection of the slot's hidden state."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, std: float = 0.02) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters(std)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(p, std=std)
+
+    def forward(self, hidden: Tensor, predecessors: Tensor, candidates: Tensor) -> Tensor:
+        """The transition scores <P[p] * W h, S[c]>: hidden [..., H], predecessors [..., P] (token
+        ids), candidates [..., K] (token ids) -> [..., P, K]: every predecessor against every candidate
+        of the same slot (training: P = 1, the gold token before; decoding: the previous slot's K)."""
+        pred = self.predecessor_codebook[predecessors.long()]  # [..., P, r]
+        context = pred * self.hidden_projection(hidden).unsqueeze(-2).to(pred.dtype)
+        return context @ self.successor_codebook[candidates.long()].transpose(-1, -2)
+
+
+class MarkovHead(nn.Module):
+    """A logit bias on each block position from the token before it: W2 W1[prev] (`vanilla`),
+    gated by the position's hidden state (`gated`), or read from a small recurrent state carried
+    along the block (`rnn`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str) -> None:
+        super().__init__()
+        self.kind, self.rank = kind, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """W1 small, W2 zero: a fresh head biases nothing, so a DSpark drafter made from a DFlash
+        drafter drafts as it did."""
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
+        nn.init.zeros_(self.markov_w2.weight)
+
+    def embed(self, prev: Tensor) -> Tensor:
+        return self.markov_w1(prev.long())
+
+    def step(self, emb: Tensor, hidden: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """One position: emb [..., r] of the token before, hidden [..., H], the recurrent state
+        (`rnn` only; None at a block's first position) -> (the bias's low-rank input [..., r], the
+        state after)."""
+        if self.kind == "vanilla":
+            return emb, None
+        hidden = hidden.to(emb.dtype)
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], -1))) * emb, None
+        state = emb.new_zeros(emb.shape) if state is None else state
+        gate, cand, out = self.joint_proj(torch.cat([state, emb, hidden], -1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(cand)
+        return torch.tanh(out), state
+
+    def block_inputs(self, emb: Tensor, hidden: Tensor) -> Tensor:
+        """Teacher-forced: emb [n, B, r], hidden [n, B, H] -> the bias's low-rank inputs [n, B, r]
+        (a loop over the block's positions for `rnn` only)."""
+        if self.kind != "rnn":
+            return self.step(emb, hidden, None)[0]
+        state, outs = None, []
+        for k in range(emb.shape[1]):
+            out, state = self.step(emb[:, k], hidden[:, k], state)
+            outs.append(out)
+        return torch.stack(outs, 1)
+
+    def bias(self, low_rank: Tensor) -> Tensor:
+        return self.markov_w2(low_rank)
+
+
+class ConfidenceHead(nn.Module):
+    """A position's acceptance probability, as a logit, from its hidden state (and the Markov
+    embedding of the token before it)."""
+
+    def __init__(self, input_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.proj(features).squeeze(-1)
