@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dflashkit.config import TrainConfig
+from dflashkit.jobgroup import join_job
 from dflashkit.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -40,13 +42,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_process_group(device: torch.device) -> None:
-    """The job's process group (torchrun's environment), NCCL on CUDA, gloo on the CPU."""
+def init_process_group(device: torch.device, timeout_s: float = TrainConfig.model_fields["dist_timeout"].default) -> None:
+    """The job's process group (torchrun's environment, `jobgroup.join_job`), NCCL on CUDA, gloo on the CPU."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    join_job("nccl" if device.type == "cuda" else "gloo", timeout_s)
 
 
 def target_mesh(device: torch.device) -> Any:

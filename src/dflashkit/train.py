@@ -51,6 +51,7 @@ from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, complet
 from dflashkit import versions
 from dflashkit.config import TrainConfig, dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow, upgraded
+from dflashkit.jobgroup import Heartbeat, join_job
 from dflashkit.optim import HostAdamW
 from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
                                  check_label_sources, family_metrics, family_sums, micro_batch, pad_anchors,
@@ -606,12 +607,15 @@ class TrainingStopped(Exception):
 
     def __init__(self, step: int, signum: int, out_dir: Path, then: str | None = None) -> None:
         self.step, self.signum, self.out_dir, self.exit_code = step, signum, out_dir, 128 + signum
+        # Under torchrun the command to repeat is torchrun's, with every rank's options.
+        command = "the same `torchrun ... -m dflashkit.cli train` command" if "TORCHELASTIC_RUN_ID" in os.environ \
+            else "`dflashkit train`"
         if step:
             where = f"after step {step}, whose checkpoint is saved in {out_dir}"
-            then = then or "continue with `dflashkit train --resume` (or --auto-resume) and the same config"
+            then = then or f"continue with {command} --resume (or --auto-resume) and the same config"
         else:  # no checkpoint to resume from: --resume would fail
             where = "before its first step (nothing to save)"
-            then = then or ("start it again with `dflashkit train --auto-resume` (it starts afresh while the output "
+            then = then or (f"start it again with {command} --auto-resume (it starts afresh while the output "
                             "directory has no checkpoint) or --overwrite, and the same config")
         super().__init__(f"stopped by {signal.Signals(signum).name} {where}; {then}")
 
@@ -1028,7 +1032,7 @@ def _setup(cfg, d: Dist, want: torch.device, target: Any, samples: Sequence[Any]
         target.compile_layers(max(batcher.online_layers))
     start, best = 0, {"tau_sim": -1.0, "step": None}
     if resume_dir is not None:
-        start, best, total = _resume(cfg, trainer, resume_dir, total, len(train_idx), identity)
+        start, best, total = _resume(cfg, trainer, resume_dir, total, len(train_idx), identity, d)
     metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
     run = Run(cfg, d, out_dir, dtype, compile_, dcfg, trainer, batcher, metrics, identity, train_idx, eval_idx,
               eval_groups, probe_idx, total, start, best)
@@ -1043,8 +1047,8 @@ def _setup(cfg, d: Dist, want: torch.device, target: Any, samples: Sequence[Any]
     return run
 
 
-def _resume(cfg, trainer: Trainer, resume_dir: Path, total: int, num_train: int, identity: dict[str, str]
-            ) -> tuple[int, dict[str, Any], int]:
+def _resume(cfg, trainer: Trainer, resume_dir: Path, total: int, num_train: int, identity: dict[str, str],
+            d: Dist) -> tuple[int, dict[str, Any], int]:
     """The checkpoint's optimiser, schedule and RNG restored, once it is known to be this run's;
     -> (step, best, total steps)."""
     tc = cfg.train
@@ -1064,18 +1068,34 @@ def _resume(cfg, trainer: Trainer, resume_dir: Path, total: int, num_train: int,
                          "resume with the same ones, or start afresh with --overwrite")
     trainer.load_state_dict(state)
     _set_rng_state(state["rng"])
-    log.info("resumed from %s at step %d", resume_dir, state["step"])
+    if d.main:
+        log.info("resumed from %s at step %d", resume_dir, state["step"])
+    if d.main and type(state.get("world_size")) is int and state["world_size"] != d.world:  # absent before it was recorded
+        log.info("world size changed: the checkpoint was written by %d processes, this run has %d; the global batch "
+                 "(%d sequences) and the data position are kept", state["world_size"], d.world, tc.batch_size)
     return state["step"], state["best"], total
 
 
 def _checkpoint(run: Run, step: int) -> None:
+    t0 = time.perf_counter()
     tc, full = run.cfg.train, run.trainer.state_dict()
     check_finite(step, {}, full["params"])
     if run.d.main:
         state = {"version": STATE_VERSION, "step": step, "total_steps": run.total, "batch_size": tc.batch_size,
-                 "num_train": len(run.train_idx), "best": run.best, "rng": _rng_state(),
+                 "num_train": len(run.train_idx), "world_size": run.d.world, "best": run.best, "rng": _rng_state(),
                  "config": run.cfg.model_dump(), **run.identity, **full}
-        save_checkpoint(run.out_dir, step, export_drafter(run.dcfg, full["params"], run.dtype), state, tc.keep_last)
+        t1 = time.perf_counter()
+        path = save_checkpoint(run.out_dir, step, export_drafter(run.dcfg, full["params"], run.dtype), state,
+                               tc.keep_last)
+        log.info("checkpoint %s saved in %.2f s (%.2f s gathering the state, %.2f s writing)", path,
+                 time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)
+
+
+def _save_drafter_dir(run: Run, name: str, params: dict[str, Tensor]) -> None:
+    """`best/` or `final/` in the reference format (main rank), its writing time logged."""
+    t0 = time.perf_counter()
+    replace_dir(run.out_dir / name, lambda p: save_drafter(export_drafter(run.dcfg, params, run.dtype), p))
+    log.info("%s saved in %.2f s", run.out_dir / name, time.perf_counter() - t0)
 
 
 def _held_out(run: Run, idx: list[int]) -> dict[str, Any]:
@@ -1102,7 +1122,7 @@ def _evaluate(run: Run, done: int) -> None:
     params = run.trainer.full_params()
     check_finite(done, {}, params)
     if run.d.main:
-        replace_dir(run.out_dir / "best", lambda p: save_drafter(export_drafter(run.dcfg, params, run.dtype), p))
+        _save_drafter_dir(run, "best", params)
         atomic_write_json(run.out_dir / "best.json", best)
 
 
@@ -1197,7 +1217,7 @@ def _finish(run: Run) -> Path:
         params = run.trainer.full_params()
         check_finite(max(run.start, run.total), {}, params)
         if run.d.main:
-            replace_dir(run.out_dir / "final", lambda p: save_drafter(export_drafter(run.dcfg, params, run.dtype), p))
+            _save_drafter_dir(run, "final", params)
     run.metrics.close()
     if run.d.main and run.metrics.path.is_file():
         plot_curves(run.metrics.path, run.out_dir / "curves.png")
