@@ -19,7 +19,7 @@ from dflashkit.data.features import FeatureSample
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.loop import generate
 from dflashkit.drafter import training_hidden
-from dflashkit.data.prompts import Suite
+from dflashkit.data.prompts import Suite, load_suite
 from dflashkit.evaluate import (Prompt, answer_spans, arbitrate_parting, bootstrap_intervals, check_partings, classify_parting, evaluate_offline, evaluate_online,
                                 evaluate_suites, markdown, method_labels, offline_accepted, paired_differences, parting_summary, replay_rounds,
                                 rounding_bound, summarize, tau_sim_vs_online, write_report)
@@ -256,6 +256,12 @@ def test_eval_cli_argument_errors(tmp_path, capsys):
     with pytest.raises(SystemExit, match="1"):
         main(["eval", "--drafter", str(tmp_path / "ok"), "--draft-tokens", "0"])
     assert "argument --draft-tokens: expected an integer >= 1" in capsys.readouterr().err
+    for bad in ("0", "-1"):  # no suite left with a prompt (or counted from its end): refused before any work
+        with pytest.raises(SystemExit, match="1"):
+            main(["eval", "--drafter", str(tmp_path / "ok"), "--limit", bad])
+        assert "argument --limit: expected an integer >= 1" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="limit must be a positive integer"):
+            load_suite("code", int(bad))
     assert main(["eval", "--drafter", str(tmp_path / "ok"), "--features", str(tmp_path / "nofeats")]) == 1
     assert "manifest.json" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "ok"), "--suites", "code,poetry"]) == 1

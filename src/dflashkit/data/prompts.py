@@ -96,8 +96,16 @@ def get_suite(name: str) -> Suite:
     raise ValueError(f"unknown evaluation suite {name!r}, expected one of {', '.join(s.name for s in EVAL_SUITES)}")
 
 
+def check_limit(limit: int | None) -> None:
+    """A prompt count is None (all) or >= 1: a limit of 0 would leave nothing to run, and a
+    negative one would count from the end."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+
+
 def load_suite(name: str, limit: int | None = None) -> list[Conversation]:
     """The suite's fixed prompts (`limit` keeps fewer, e.g. for a quick CPU run), source = suite name."""
+    check_limit(limit)
     suite = get_suite(name)
     n = suite.prompts if limit is None else min(limit, suite.prompts)
     if name == "humaneval":
@@ -142,8 +150,7 @@ def load_prompts(path_or_name: str | os.PathLike[str], *, split: str = "train",
 def load_prompts_report(path_or_name: str | os.PathLike[str], *, split: str = "train",
                         limit: int | None = None, writer: Writer | None = None) -> tuple[list[Conversation], list[str]]:
     """Like `load_prompts`, but also return the problems (``"file:line: what is wrong, expected ..."``)."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    check_limit(limit)
     name = os.fspath(path_or_name)
     if "+" in name and not Path(name).expanduser().exists():
         convs, problems, origin = [], [], {}

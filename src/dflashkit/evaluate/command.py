@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=None, type=budget_list,
                    help="DDTree node budgets, comma list (default eval.ddtree_budgets)")
     p.add_argument("--top-k", type=int, default=None, help="DDTree candidates per slot (default eval.ddtree_top_k: the node budget)")
-    p.add_argument("--limit", type=int, default=None, help="prompts per suite or of --prompts (online), or samples (offline)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                   help="prompts per suite or of --prompts (online), or samples (offline)")
     p.add_argument("--heldout", action="store_true", help="offline mode: only the held-out split that `train` "
                    "measures tau_sim on (train.eval_samples, train.seed): a before/after report for fine-tuning")
     g = p.add_argument_group("online mode only")
