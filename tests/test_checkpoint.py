@@ -237,3 +237,45 @@ def test_resume_refuses_another_target_or_training_set(tmp_path):
         train(cfg, target=make_tiny_target(seed=5), samples=tiny_samples(), resume=True)
     run_job(str(out), ["train.save_every=100"], resume=True)  # the same ones resume
     assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("kind,defect,match", [
+    ("dflash2", "selector_tensors_missing", r"config.json's dflash_config.selector_rank=8 declares a candidate selector, "
+                                            r"but its tensors \['candidate_selector.hidden_projection.weight'"),
+    ("dflash2", "conv_undeclared", r"tensors \['layers.0.attention_conv.base_kernel'.*belong to block convolutions, "
+                                   r"which config.json does not declare \(dflash_config.conv_kernel_size=None\)"),
+    ("dflash2", "top_k_over_vocab", r"config.json: .*'selector_top_k': expected an int in \[1, vocab_size=128\], got 500"),
+    ("dflash2", "group_not_dividing", r"config.json: .*'conv_group_size': expected a divisor of hidden_size=64, got 24"),
+    ("dspark", "gated_without_gate", r"dflash_config.markov_head_type='gated' declares the Markov head's gate"),
+    ("dspark", "markov_rank_0", r"config.json: .*'confidence_head_with_markov': expected false when markov_rank is 0"),
+    ("dspark", "confidence_shape", r"confidence_head.proj.weight: expected \(1, 64\), got \(1, 72\) \(shaped by "
+                                   r"dflash_config.confidence_head_with_markov=False, dflash_config.markov_rank=8\)"),
+])
+def test_family_defects_name_the_declaring_field(tiny_target, tmp_path, kind, defect, match):
+    """A family drafter whose config.json and tensors disagree: one error naming the file and the
+    dflash_config field that declares (or shapes) the module, before any drafter is built."""
+    from conftest import make_tiny_family
+
+    d = save_drafter(make_tiny_family(tiny_target, kind), tmp_path / "ck")
+    (d / "SHA256SUMS").unlink()  # edited on purpose below
+    cfg, tensors = json.loads((d / "config.json").read_text()), load_file(str(d / "model.safetensors"))
+    fam = cfg["dflash_config"]
+    if defect == "selector_tensors_missing":
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("candidate_selector.")}
+    elif defect == "conv_undeclared":
+        del fam["conv_kernel_size"]
+    elif defect == "top_k_over_vocab":
+        fam["selector_top_k"] = 500
+    elif defect == "group_not_dividing":
+        fam["conv_group_size"] = 24
+    elif defect == "gated_without_gate":
+        fam["markov_head_type"] = "gated"
+    elif defect == "markov_rank_0":
+        fam["markov_rank"] = 0
+    elif defect == "confidence_shape":
+        fam["confidence_head_with_markov"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_drafter(d, tiny_target)
+    assert str(d) in str(e.value) and "\n" not in str(e.value)

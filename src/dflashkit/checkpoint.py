@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflashkit import family
 from dflashkit.drafter import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -250,19 +251,7 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
         raise CheckpointError(f"{path}: no {WEIGHTS}")
     verify_file(wfile)
     state = read_safetensors(wfile)
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in DFlashDrafter(config).state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        raise CheckpointError(f"{wfile}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                              f"({len(missing)} in all) for a {config.num_hidden_layers}-layer drafter")
-    if unexpected:
-        raise CheckpointError(f"{wfile}: unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
-                              f"({len(unexpected)} in all); tensor names must follow the reference format")
-    wrong = [f"{k}: expected {tuple(expected[k])}, got {tuple(state[k].shape)}" for k in expected if state[k].shape != expected[k]]
-    if wrong:
-        raise CheckpointError(f"{wfile}: tensors of the wrong shape for {CONFIG}: " + "; ".join(wrong[:6]))
+    check_tensors(config, state, wfile)
     nonfinite = [k for k, v in state.items() if not (v.is_floating_point() and bool(torch.isfinite(v).all()))]
     if nonfinite:
         raise CheckpointError(f"{wfile}: tensors {nonfinite[:4]} hold non-finite values or are not floating point; "
@@ -274,6 +263,45 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(state)
     return drafter.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+
+
+def check_tensors(config: DrafterConfig, state: dict[str, torch.Tensor], wfile: Path) -> None:
+    """The tensors of `wfile` against the drafter its config.json declares: names and shapes. A
+    family module's tensors that are missing, unexpected or misshapen are reported under the
+    `dflash_config` field that declares the module (family.DECLARED)."""
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in DFlashDrafter(config).state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    _check_family_tensors(config, missing, unexpected, wfile)
+    if missing:
+        raise CheckpointError(f"{wfile}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                              f"({len(missing)} in all) for a {config.num_hidden_layers}-layer drafter")
+    if unexpected:
+        raise CheckpointError(f"{wfile}: unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+                              f"({len(unexpected)} in all); tensor names must follow the reference format")
+    wrong = [f"{k}: expected {tuple(expected[k])}, got {tuple(state[k].shape)}" + _shaped_by(config, k)
+             for k in expected if state[k].shape != expected[k]]
+    if wrong:
+        raise CheckpointError(f"{wfile}: tensors of the wrong shape for {CONFIG}: " + "; ".join(wrong[:6]))
+
+
+def _check_family_tensors(config: DrafterConfig, missing: list[str], unexpected: list[str], wfile: Path) -> None:
+    for names, declared in ((missing, True), (unexpected, False)):
+        found = set(filter(None, map(family.declared_by, names)))
+        for d in (d for d in family.DECLARED if d in found):
+            mine = [k for k in names if family.declared_by(k) == d]
+            value = f"dflash_config.{d.field}={getattr(config, d.field)!r}"
+            if declared:
+                raise CheckpointError(f"{wfile}: {CONFIG}'s {value} declares {d.what}, but its tensors {mine[:4]} are "
+                                      f"missing ({len(mine)} in all); export the drafter with them, or drop the field")
+            raise CheckpointError(f"{wfile}: tensors {mine[:4]} ({len(mine)} in all) belong to {d.what}, which "
+                                  f"{CONFIG} does not declare ({value}); declare it there, or drop those tensors")
+
+
+def _shaped_by(config: DrafterConfig, tensor: str) -> str:
+    d = family.declared_by(tensor)
+    return "" if d is None else " (shaped by " + ", ".join(f"dflash_config.{f}={getattr(config, f)!r}" for f in d.shaped_by) + ")"
 
 
 # Parts for moving a drafter through a channel that caps file sizes (a remote GPU job may return
