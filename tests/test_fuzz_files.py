@@ -10,8 +10,10 @@ offsets past the data, and a torn last line of `metrics.jsonl` on resume (end to
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -306,15 +308,33 @@ def test_a_torn_metrics_line_does_not_block_resume(tmp_path, caplog):
     assert steps == [1, 2, 3, 4]
 
 
-def test_a_crafted_pickled_target_is_one_readable_refusal(tmp_path):
-    """A target whose weights are a crafted pytorch_model.bin: exit 1 with one line that names the
-    target, never torch's advice to load it with weights_only=False, and the payload never runs."""
+@pytest.mark.parametrize("write", [torch.save, lambda obj, f: f.write_bytes(pickle.dumps(obj))],
+                         ids=["torch.save", "raw-pickle"])
+def test_a_crafted_pickled_target_is_one_readable_refusal(tmp_path, write):
+    """A target whose weights are a crafted pytorch_model.bin (torch's archive or a raw pickle): exit
+    1 with one line that names the target, nothing else on stderr (not torch's warning about the
+    pickle protocol), never torch's advice to load it with weights_only=False, and the payload
+    never runs."""
     model = save_tiny_target(tmp_path / "model")
     (model / "model.safetensors").unlink()
     marker = tmp_path / "pwned"
-    torch.save({"model.embed_tokens.weight": _Payload(str(marker))}, model / "pytorch_model.bin")
+    write({"model.embed_tokens.weight": _Payload(str(marker))}, model / "pytorch_model.bin")
     res = run_cli("generate", "--prompt", "hi", "--method", "ar", f"target.path={model}", "target.device=cpu")
-    err = [ln for ln in res.stderr.splitlines() if ln.startswith("dflashkit")]
-    assert res.returncode == 1 and len(err) == 1, res.stderr
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and len(err) == 1 and err[0].startswith("dflashkit generate: error: "), res.stderr
     assert f"target '{model}': a pickled weights file (*.bin) is not one that loads safely" in err[0]
     assert "weights_only" not in res.stderr and "internal error" not in res.stderr and not marker.exists()
+
+
+def test_a_raw_pickle_training_state_is_refused_without_torchs_warning(tmp_path):
+    """A training_state.pt that is a raw pickle, with no SHA256SUMS to refuse it first: one
+    refusal naming it, no warning of torch's before it, and the payload never runs."""
+    marker = tmp_path / "pwned"
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "training_state.pt").write_bytes(pickle.dumps({"step": 1, "evil": _Payload(str(marker))}))
+    with warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(CheckpointError, match=r"ck/training_state.pt: not a training state .* safely") as e:
+        warnings.simplefilter("always")
+        load_training_state(tmp_path / "ck")
+    assert not caught, [str(w.message) for w in caught]
+    assert "\n" not in str(e.value) and not marker.exists()

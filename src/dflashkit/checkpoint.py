@@ -15,7 +15,9 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -478,7 +480,8 @@ def load_training_state(path: str | Path) -> dict[str, Any] | None:
         return None
     verify_file(f)
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
+        with quiet_unpickler():
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged archive fails in many ways (UnpicklingError, OSError from a seek, ...)
         raise CheckpointError(f"{f}: not a training state this tool can load safely (tensors and plain data only): "
                               f"{refusal_reason(e)}") from None
@@ -492,6 +495,16 @@ def load_training_state(path: str | Path) -> dict[str, Any] | None:
     if bad:
         raise CheckpointError(f"{f}: malformed training state, field {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return state
+
+
+@contextmanager
+def quiet_unpickler() -> Iterator[None]:
+    """torch's weights-only unpickler warns (two lines on stderr) about a pickle written with
+    another protocol than its own, a raw pickle among them, before it reads or refuses it: the
+    load's outcome, or its one-line refusal, is all there is to say."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        yield
 
 
 def refusal_reason(e: BaseException) -> str:

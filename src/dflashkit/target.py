@@ -227,7 +227,7 @@ def load_target(
         kw["local_files_only"] = local_files_only
     from safetensors import SafetensorError
 
-    from dflashkit.checkpoint import check_model_config, refusal_reason
+    from dflashkit.checkpoint import check_model_config, quiet_unpickler, refusal_reason
 
     if path.is_dir():
         check_model_config(path)
@@ -235,7 +235,8 @@ def load_target(
         tok = AutoTokenizer.from_pretrained(src, **kw)
         if not weights:
             return Target(_meta_model(src, dtype, kw), tok, name=str(name_or_path))
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
+        with quiet_unpickler():  # a pytorch_model.bin is read with weights_only
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
     except SafetensorError as e:
         raise ValueError(f"target '{name_or_path}': a weights file (*.safetensors) is not readable ({e}); it may be "
                          "truncated or from an interrupted download") from None
