@@ -96,6 +96,7 @@ class Heartbeat:
                                    wait_for_workers=False)
         self.prefix = f"{_JOB['space']}/beat"
         self.step, self.since = 0, time.monotonic()
+        self.started = self.since
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed here)
         self.beats = 0
         self.stopped = threading.Event()
@@ -114,11 +115,13 @@ class Heartbeat:
         self.step, self.since = step, time.monotonic()
 
     def _run(self) -> None:
-        while not self.stopped.wait(self.interval):
+        while True:
             try:
                 self._beat()
             except Exception as e:  # a store that is gone (rank 0's host down): the collectives report it
                 log.debug("heartbeat: %s", e)
+            if self.stopped.wait(self.interval):
+                return
 
     def _beat(self) -> None:
         self.beats += 1
@@ -127,29 +130,25 @@ class Heartbeat:
         steps, silent = {}, {}
         for r in range(self.world):
             key = f"{self.prefix}/{r}"
-            if not self.store.check([key]):
-                continue
-            count, step = json.loads(self.store.get(key))
+            count, step = json.loads(self.store.get(key)) if self.store.check([key]) else (0, 0)
             steps[r] = step
-            last = self.seen.get(r)
-            if last is None or last[0] != count:
+            last = self.seen.setdefault(r, (count, self.started))
+            if last[0] != count:
                 self.seen[r] = (count, now)
             elif now - last[1] > 2 * self.interval:
                 silent[r] = now - last[1]
-        missing = [r for r in range(self.world) if r not in steps]
-        if min((r for r in range(self.world) if r in steps and r not in silent), default=self.rank) != self.rank:
+        if min((r for r in range(self.world) if r not in silent), default=self.rank) != self.rank:
             return
         self.tick()
         waited = now - self.since
         if waited > self.interval:
-            log.warning(self.report(waited, steps, silent, missing))
+            log.warning(self.report(waited, steps, silent))
 
-    def report(self, waited: float, steps: dict[int, int], silent: dict[int, float], missing: list[int]) -> str:
+    def report(self, waited: float, steps: dict[int, int], silent: dict[int, float]) -> str:
         """One line: the step that waits, and the ranks it waits for."""
         behind = [r for r, s in steps.items() if s < self.step and r not in silent]
         parts = [f"rank {r} silent for {s:.0f} s (stopped, or its host is down)" for r, s in sorted(silent.items())]
         parts += [f"rank {r} still at step {steps[r]}" for r in behind]
-        parts += [f"rank {r} has not started" for r in missing]
-        who = "; ".join(parts) or "no rank has fallen behind (a long step, or a save)"
+        who = "; ".join(parts) or "every rank is at this step (a long step, or a save)"
         return (f"step {self.step} has waited {waited:.0f} s on rank {self.rank}: {who}; a collective that waits "
                 f"{self.timeout_s:.0f} s (train.dist_timeout) ends the job")
