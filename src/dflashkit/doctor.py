@@ -150,8 +150,18 @@ def _block_check(config: DrafterConfig) -> Finding:
     if B > 32:
         return Finding(WARNING, "block size", f"{B}: every round verifies {B} tokens while few drafts are accepted past "
                                               "the first ten or so; published DFlash drafters use 10 or 16")
-    return Finding(OK, "block size", f"{B}: {B - 1} draft tokens per round (num_speculative_tokens), "
+    return Finding(OK, "block size", f"{B}: {len(config.draft_slots)} draft tokens per round (num_speculative_tokens), "
                                      f"loss decay gamma {default_gamma(B):g}")
+
+
+def _kind_check(config: DrafterConfig) -> Finding:
+    """The family member, its declared modules, and whether dflashkit's engine decodes with it."""
+    from dflashkit.decode.engine import unserved
+
+    why = unserved(config)
+    if why is not None:
+        return Finding(ERROR, "kind", f"{config.summary()}. eval, generate and serve refuse {why}")
+    return Finding(OK, "kind", config.summary())
 
 
 # ---- training data vs evaluation ------------------------------------------------------------------
@@ -313,7 +323,7 @@ def doctor(drafter_dir: str | Path, target: Any, *, data: str | Path | None = No
     except CheckpointError as e:
         return [Finding(ERROR, "config", f"{e}: fix config.json or re-export the drafter")]
     findings = [Finding(OK, "config", f"{Path(drafter_dir) / 'config.json'}: {config.num_hidden_layers} layers, "
-                                      f"{config.num_taps} taps")]
+                                      f"{config.num_taps} taps"), _kind_check(config)]
     try:
         drafter = load_drafter(drafter_dir)
         findings.append(Finding(OK, "weights", f"{drafter.num_parameters() / 1e6:.1f}M parameters "

@@ -26,6 +26,7 @@ from dflashkit.kernels.packed import fused_linear
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
+KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}
 # The family's config fields, written into `dflash_config` where they differ from these defaults
 # (a DFlash drafter's config.json holds none of them).
 FAMILY_FIELDS = {"conv_kernel_size": None, "conv_group_size": 16, "selector_rank": None, "selector_top_k": 16,
@@ -154,6 +155,21 @@ class DrafterConfig:
     def draft_slots(self) -> range:
         """The block slots that predict a token: 1..B-1 (bonus-first), 0..B-1 (anchor-first)."""
         return range(0 if self.sample_from_anchor else 1, self.block_size)
+
+    def summary(self) -> str:
+        """The kind, the modules its config declares and the block's layout, in one line."""
+        parts = []
+        if self.conv_kernel_size is not None:
+            parts.append(f"block convolutions (conv_kernel_size {self.conv_kernel_size}, conv_group_size {self.conv_group_size})")
+        if self.selector_rank is not None:
+            parts.append(f"candidate selector (selector_rank {self.selector_rank}, selector_top_k {self.selector_top_k})")
+        if self.markov_rank:
+            parts.append(f"Markov head (markov_rank {self.markov_rank}, {self.markov_head_type})")
+        if self.enable_confidence_head:
+            parts.append("confidence head" + (" (reads the Markov embedding)" if self.confidence_head_with_markov else ""))
+        layout = "anchor-first: slot k drafts the token after anchor + k" if self.sample_from_anchor else \
+            "bonus-first: slot k >= 1 drafts the token at anchor + k"
+        return f"{KIND_NAMES[self.kind]}: {', '.join(parts) or 'no optional modules'}; {layout}"
 
     @property
     def num_taps(self) -> int:

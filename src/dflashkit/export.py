@@ -3,9 +3,10 @@
 * ``reference``: the reference checkpoint format (docs/conventions.md) that SGLang, vLLM (``method: dflash``)
   and the reference Transformers code load: ``config.json`` + ``model.safetensors``, plus
   ``dflash.py`` (the model for ``trust_remote_code`` loaders) and ``auto_map`` pointing at it.
-* ``speculators``: vLLM speculators' format (``speculators_model_type: "dflash"``): a nested Qwen3
-  ``transformer_layer_config``, a ``speculators_config`` (proposal method, verifier) and the same
-  tensors; layer ids shifted as that format expects (see `to_speculators_layer_ids`).
+* ``speculators``: vLLM speculators' format (``speculators_model_type``: ``"dflash"``, ``"dflash2"`` or
+  ``"dspark"``, the drafter's kind): a nested Qwen3 ``transformer_layer_config``, the family's fields
+  at the top level, a ``speculators_config`` (proposal method, verifier) and the same tensors;
+  layer ids shifted as that format expects (see `to_speculators_layer_ids`).
 
 `load_speculators` reads the second format back, so both round trips are tested.
 """
@@ -23,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashkit.checkpoint import (CONFIG, WEIGHTS, CheckpointError, atomic_save, atomic_write_bytes,
-                                  atomic_write_json, load_drafter, save_drafter)
-from dflashkit.drafter import SLIDING, DFlashDrafter, DrafterConfig
+                                  atomic_write_json, check_tensors, load_drafter, save_drafter)
+from dflashkit.drafter import SLIDING, WRITTEN, DFlashDrafter, DrafterConfig
 from dflashkit.rundir import output_path
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,36 @@ def from_speculators_layer_ids(aux_hidden_state_layer_ids: list[int]) -> list[in
     return [int(i) - 1 for i in aux_hidden_state_layer_ids]
 
 
+# speculators' model types and the architectures their configs name (speculators 0.9.0:
+# `DFlash2SpeculatorConfig`, `DSparkSpeculatorConfig`; DFlash keeps the reference name vLLM reads).
+SPECULATORS_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
+# speculators' defaults for the fields a config may leave out, per model type (its pydantic
+# configs): what a foreign checkpoint without them means.
+SPECULATORS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dflash": {"sample_from_anchor": False, "sliding_window_non_causal": False},
+    "dflash2": {"sample_from_anchor": False, "sliding_window_non_causal": True, "conv_kernel_size": 2,
+                "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    "dspark": {"sample_from_anchor": True, "sliding_window_non_causal": False, "markov_rank": 256,
+               "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True},
+}
+
+
 def speculators_config(config: DrafterConfig, verifier: str | None = None, *,
                        verifier_architectures: list[str] | None = None) -> dict[str, Any]:
+    kind = config.kind
+    if kind == "dflash2" and (config.conv_kernel_size is None or config.selector_rank is None):
+        field = "conv_kernel_size" if config.conv_kernel_size is None else "selector_rank"
+        raise ValueError(f"dflash_config.{field} is not set: speculators' DFlash2DraftModel always has block "
+                         "convolutions and a candidate selector; export --format reference instead")
     ref = config.to_json_dict()
     layer = {k: v for k, v in ref.items() if k not in _NOT_LAYER_CONFIG}
     sliding = {k: layer[k] for k in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")}
+    drafted = config.block_size - 1 + int(config.sample_from_anchor)
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": [SPECULATORS_ARCHITECTURES[kind]],
+        "speculators_model_type": kind,
+        **{k: getattr(config, k) for k in WRITTEN[kind]},
+        "sample_from_anchor": config.sample_from_anchor,
         "transformer_layer_config": layer,
         "draft_vocab_size": config.vocab_size,  # the full vocabulary: no d2t/t2d mapping
         "target_hidden_size": None,  # None = the drafter's hidden size (they are equal)
@@ -108,9 +131,9 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None, *,
         # vLLM's updater reads the attention layout from the top level as well.
         **sliding,
         "speculators_config": {
-            "algorithm": "dflash",
-            # The anchor is the bonus token: a block proposes block_size - 1 tokens.
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
+            "algorithm": kind,
+            # Bonus-first, a block proposes block_size - 1 tokens; anchor-first, block_size.
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafted}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
         },
@@ -132,7 +155,8 @@ def export_speculators(drafter: DFlashDrafter, out: str | Path, *, verifier: str
 
 
 def load_speculators(path: str | Path, *, num_target_layers: int | None = None) -> DFlashDrafter:
-    """Read a speculators-format DFlash checkpoint (ours or speculators') into a drafter.
+    """Read a speculators-format checkpoint (ours or speculators'; model type dflash, dflash2 or
+    dspark) into a drafter, checked as `checkpoint.load_drafter` checks the reference format.
 
     speculators' own checkpoints do not store the target's layer count; pass `num_target_layers`."""
     path = Path(path)
@@ -143,9 +167,21 @@ def load_speculators(path: str | Path, *, num_target_layers: int | None = None) 
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if raw.get("speculators_model_type") != "dflash":
-        raise CheckpointError(f"{cfg_file}: speculators_model_type is {raw.get('speculators_model_type')!r}, expected "
-                              "'dflash' (a reference-format drafter loads with checkpoint.load_drafter)")
+    config = _speculators_drafter_config(raw, cfg_file, num_target_layers)
+    state = {k: v for k, v in load_file(str(wfile)).items() if k not in _VERIFIER_TENSORS}
+    check_tensors(config, state, wfile)
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(state)
+    return drafter.to(next(iter(state.values())).dtype)
+
+
+def _speculators_drafter_config(raw: dict[str, Any], cfg_file: Path, num_target_layers: int | None) -> DrafterConfig:
+    """A speculators config.json -> the drafter config it describes (the reference format's layout)."""
+    kind = raw.get("speculators_model_type")
+    if kind not in SPECULATORS_DEFAULTS:
+        raise CheckpointError(f"{cfg_file}: speculators_model_type is {kind!r}, expected one of "
+                              f"{list(SPECULATORS_DEFAULTS)} (a reference-format drafter loads with checkpoint.load_drafter)")
+    fields = {**SPECULATORS_DEFAULTS[kind], **{k: raw[k] for k in SPECULATORS_DEFAULTS[kind] if k in raw}}
     layer = dict(raw.get("transformer_layer_config") or {})
     for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
         if raw.get(key) is None:
@@ -153,26 +189,20 @@ def load_speculators(path: str | Path, *, num_target_layers: int | None = None) 
     if raw.get("draft_vocab_size") not in (None, layer.get("vocab_size")):
         raise CheckpointError(f"{cfg_file}: draft_vocab_size {raw['draft_vocab_size']} != vocab_size "
                               f"{layer.get('vocab_size')}: reduced draft vocabularies (d2t/t2d) are not supported")
-    if SLIDING in (layer.get("layer_types") or []) and not raw.get("sliding_window_non_causal", False):
+    if SLIDING in (layer.get("layer_types") or []) and not fields.pop("sliding_window_non_causal"):
         raise CheckpointError(f"{cfg_file}: sliding layers are causal inside the block (sliding_window_non_causal "
                               "is false); dflashkit drafters attend bidirectionally within a block")
+    fields.pop("sliding_window_non_causal", None)
     layer.setdefault("num_target_layers", num_target_layers)
     if layer["num_target_layers"] is None:
         raise CheckpointError(f"{cfg_file}: the target's number of layers is not stored; pass num_target_layers")
     layer.update(block_size=raw["block_size"], dflash_config={
-        "mask_token_id": raw["mask_token_id"],
+        "mask_token_id": raw["mask_token_id"], **fields,
         "target_layer_ids": from_speculators_layer_ids(raw["aux_hidden_state_layer_ids"])})
     try:
-        config = DrafterConfig.from_json_dict(layer, source=str(cfg_file))
+        return DrafterConfig.from_json_dict(layer, source=str(cfg_file))
     except (ValueError, TypeError) as e:
         raise CheckpointError(str(e)) from None
-    state = {k: v for k, v in load_file(str(wfile)).items() if k not in _VERIFIER_TENSORS}
-    drafter = DFlashDrafter(config)
-    try:
-        drafter.load_state_dict(state)
-    except RuntimeError as e:
-        raise CheckpointError(f"{wfile}: tensors do not match {CONFIG}: {e}") from None
-    return drafter.to(next(iter(state.values())).dtype)
 
 
 def export(drafter: DFlashDrafter, out: str | Path, fmt: str, **kw: Any) -> Path:
@@ -215,5 +245,6 @@ def run(args: argparse.Namespace) -> int:
     c = drafter.config
     print(f"exported {args.drafter} -> {out} ({fmt}): {c.num_hidden_layers} layers, taps {c.target_layer_ids}, "
           f"block {c.block_size}, mask token {c.mask_token_id}")
-    print(f"serving command lines: docs/serving.md (num_speculative_tokens = {c.block_size - 1})")
+    print(f"kind: {c.summary()}")
+    print(f"serving command lines: docs/serving.md (num_speculative_tokens = {len(c.draft_slots)})")
     return 0

@@ -19,6 +19,11 @@ Semantics (the same as dflashkit's drafter):
   (bidirectional); a `sliding_attention` layer sees only context positions `>= anchor - window`.
 * Qwen3-style layers: pre-norm RMSNorm, per-head q/k RMSNorm, RoPE, grouped-query attention,
   SwiGLU MLP; a final RMSNorm. No embedding and no LM head: the target's are used.
+* DFlash 2 (`dflash_config.conv_kernel_size`): each layer's attention and MLP sit between two
+  causal convolutions inside the block, their per-position kernels projected from the sublayer's
+  input (`BlockConv`). The family's heads (DFlash 2's `candidate_selector`, DSpark's
+  `markov_head` / `confidence_head`) read the hidden states this returns; the model holds their
+  tensors under the same names, for the caller's own use (`family_heads`).
 """
 
 from __future__ import annotations
@@ -100,6 +105,34 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def block_conv(x: Tensor, delta: Tensor, base: Tensor, group: int) -> Tensor:
+    """Causal depthwise convolution over one block per row: x [b, q, H], delta [b, q, k, G] (a
+    kernel per position for each group of `group` channels), base [k, H]. Position t is
+    sum_j x[t - j] * (base[j] + delta[t, j]); taps before the block's first position read zero."""
+    b, q, H = x.shape
+    xs = x.view(b, q, H // group, group)
+    out = torch.zeros_like(xs)
+    for j in range(min(base.shape[0], q)):
+        shifted = torch.cat([xs.new_zeros(b, j, H // group, group), xs[:, :q - j]], dim=1)
+        out = out + shifted * (base[j].to(x.dtype).view(H // group, group) + delta[:, :, j, :, None])
+    return out.view(b, q, H)
+
+
+class BlockConv(nn.Module):
+    """DFlash 2's two convolutions around one sublayer, both kernels projected from its input."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def around(self, sublayer, x: Tensor) -> Tensor:
+        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
+        y = sublayer(block_conv(x, kernels[:, :, 0], self.base_kernel[0], self.group_size))
+        return block_conv(y, kernels[:, :, 1], self.base_kernel[1], self.group_size)
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -107,11 +140,44 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
+        k = config.dflash_config.get("conv_kernel_size")
+        if k is not None:
+            group = config.dflash_config.get("conv_group_size", 16)
+            self.attention_conv = BlockConv(config.hidden_size, k, group)
+            self.mlp_conv = BlockConv(config.hidden_size, k, group)
 
     def forward(self, x: Tensor, ctx: Tensor, rope_block, rope_ctx, mask: Tensor | None) -> Tensor:
         # The context is already normalised by `hidden_norm`; only the block stream is pre-normed.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        def attend(h: Tensor) -> Tensor:
+            return self.self_attn(h, ctx, rope_block, rope_ctx, mask)
+
+        if not hasattr(self, "attention_conv"):
+            x = x + attend(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention_conv.around(attend, self.input_layernorm(x))
+        return x + self.mlp_conv.around(self.mlp, self.post_attention_layernorm(x))
+
+
+def family_heads(config: Qwen3Config) -> dict[str, nn.Module]:
+    """Holders of the family's head tensors, by the names and shapes of the reference models."""
+    d, H, V, heads = config.dflash_config, config.hidden_size, config.vocab_size, {}
+    if d.get("selector_rank"):
+        r = d["selector_rank"]
+        heads["candidate_selector"] = sel = nn.Module()
+        sel.predecessor_codebook, sel.successor_codebook = nn.Parameter(torch.zeros(V, r)), nn.Parameter(torch.zeros(V, r))
+        sel.hidden_projection = nn.Linear(H, r, bias=False)
+    r = d.get("markov_rank", 0)
+    if r:
+        heads["markov_head"] = markov = nn.Module()
+        markov.markov_w1, markov.markov_w2 = nn.Embedding(V, r), nn.Linear(r, V, bias=False)
+        kind = d.get("markov_head_type", "vanilla")
+        if kind != "vanilla":
+            setattr(markov, "gate_proj" if kind == "gated" else "joint_proj",
+                    nn.Linear(H + r, r) if kind == "gated" else nn.Linear(2 * r + H, 3 * r))
+    if d.get("enable_confidence_head"):
+        heads["confidence_head"] = conf = nn.Module()
+        conf.proj = nn.Linear(H + (r if d.get("confidence_head_with_markov") else 0), 1)
+    return heads
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -134,6 +200,8 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = DFlashRMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(H, config.rms_norm_eps)
+        for name, module in family_heads(config).items():
+            self.add_module(name, module)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
 from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
-from dflashkit.drafter import DFlashDrafter, draft_step, write_context
+from dflashkit.drafter import DFlashDrafter, DrafterConfig, draft_step, write_context
 from dflashkit.kernels.packed import lm_head
 from dflashkit.method import TOP_K
 from dflashkit.target import Target
@@ -209,6 +209,16 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 
 
+def unserved(config: DrafterConfig) -> str | None:
+    """Why this engine cannot decode with a drafter of `config`, or None. Its rounds draft a
+    bonus-first block: slot k >= 1 at the bonus's position + k."""
+    if config.sample_from_anchor:
+        return (f"a {config.kind} drafter with dflash_config.sample_from_anchor=true (anchor-first: slot k drafts the "
+                "token after position anchor + k): dflashkit's engine drafts bonus-first blocks only; serve it with "
+                "an engine of that layout (export it), or train a bonus-first drafter (drafter.sample_from_anchor=false)")
+    return None
+
+
 def round_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
     """Positions of a round's draft block: 1 + `draft_tokens` (default: the drafter's whole
     block; 1 without a drafter)."""
@@ -216,6 +226,9 @@ def round_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
         if draft_tokens is not None:
             raise ValueError("draft_tokens (--draft-tokens): set without a drafter (autoregressive decoding drafts nothing)")
         return 1
+    why = unserved(drafter.config)
+    if why is not None:
+        raise ValueError(f"drafter: {why}")
     most = drafter.config.block_size - 1
     if draft_tokens is None:
         return most + 1
