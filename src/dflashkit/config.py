@@ -137,6 +137,8 @@ class TrainConfig(_Section):
     kl_temperature: Float = Field(1.0, gt=0)
     dpace_alpha: Float = Field(0.5, gt=0, le=1, description="confidence smoothing of the 'dpace' loss")
     selector_loss_alpha: Float = Field(1.0, ge=0, description="dflash2: weight of the selector's K-way cross-entropy")
+    confidence_head_alpha: Float = Field(1.0, ge=0, description="dspark: weight of the confidence head's BCE against "
+                                         "sum_v min(p_v, q_v), the slot's acceptance chance under the rejection rule")
     feature_noise: Float = Field(0.0, ge=0, description="std of Gaussian noise on fc inputs only")
     attention: Literal["auto", "sdpa", "flex"] = Field("auto", description="auto: flex on GPU, sdpa on CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU")

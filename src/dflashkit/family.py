@@ -16,12 +16,13 @@ there unchanged. Every module here computes on the block stream only, never on t
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
+T = TypeVar("T")
 
 
 class Declared(NamedTuple):
@@ -176,6 +177,14 @@ class MarkovHead(nn.Module):
 
     def bias(self, low_rank: Tensor) -> Tensor:
         return self.markov_w2(low_rank)
+
+    def forward(self, prev: Tensor, hidden: Tensor, head: Callable[[Tensor, Tensor, Tensor], T]) -> T:
+        """Teacher-forced blocks: prev [n, B] (the token before each position), hidden [n, B, H] ->
+        head(u [n, B, r] the bias's low-rank inputs, the embedding of prev [n, B, r], W2 [V, r]).
+        The head runs inside this forward so that it sees the module's gathered weights where FSDP2
+        shards it (W2's gradient comes back through `head`'s autograd)."""
+        emb = self.embed(prev)
+        return head(self.block_inputs(emb, hidden), emb, self.markov_w2.weight)
 
 
 class ConfidenceHead(nn.Module):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -150,13 +151,15 @@ def add_feature_noise(features: Tensor, std: float, generator: torch.Generator |
     return (features.float() + std * noise.to(features.device)).to(features.dtype)
 
 
-def check_label_sources(tap_ids: list[int], num_target_layers: int, loss: str) -> None:
+def check_label_sources(tap_ids: list[int], num_target_layers: int, loss: str, confidence: bool = False) -> None:
     """`fc` must never see the layer the labels come from (docs/conventions.md, mistake 2). Hard labels are
-    token ids; KL targets are the LM head of the target's final hidden state, i.e. layer L - 1."""
+    token ids; KL targets, and a confidence head's (Σ min(p, q)), are the LM head of the target's final
+    hidden state, i.e. layer L - 1."""
     last = num_target_layers - 1
-    if loss == "kl" and last in tap_ids:
+    if (loss == "kl" or confidence) and last in tap_ids:
+        use = "train.loss='kl' takes its target logits" if loss == "kl" else "the confidence head takes its target"
         raise ValueError(
-            f"train.loss='kl' takes its target logits from the target's final hidden state (layer {last}), "
+            f"{use} from the target's final hidden state (layer {last}), "
             f"but drafter.target_layer_ids {tap_ids} feeds that layer to fc: the drafter would copy its answer "
             f"from its input. Drop layer {last} from the taps (the default taps end at L - 3).")
 
@@ -204,24 +207,68 @@ def head_candidates(logits: Tensor, labels: Tensor, k: int) -> tuple[Tensor, Ten
     return ids, logits.gather(1, ids).float()
 
 
+@dataclass
+class _Bias:
+    """DSpark's part of one row chunk: the Markov bias's low-rank inputs u [c, r] and W2 [V, r]
+    (logits = h W^T + u W2^T, u = None without a Markov head), the loss's coefficients of each
+    row's (CE, KL) [c, 2], and views of (Σ min(p, q) [c], the unbiased argmax [c], d loss / d u
+    [c, r]); dw2 [V, r] (fp32) sums W2's gradient over the chunks."""
+
+    u: Tensor | None
+    w2: Tensor | None
+    coef: Tensor
+    overlap: Tensor
+    top_plain: Tensor
+    g_u: Tensor | None
+    dw2: Tensor | None
+
+
 def _head_chunk(h: Tensor, weight: Tensor, labels: Tensor, target_h: Tensor | None, temperature: float,
-                out: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], cand: tuple[Tensor, Tensor]) -> None:
+                out: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], cand: tuple[Tensor, Tensor],
+                bias: _Bias | None = None) -> None:
     """One row chunk into `out` = views of (CE, argmax, KL, d CE / d h, d KL / d h); None where not
-    wanted; and into `cand` = (candidate ids [c, K], their logits), K = 0 for none. The chunk's
-    [c, V] logits and their gradient die on return, before the next chunk's."""
+    wanted; and into `cand` = (candidate ids [c, K], their logits), K = 0 for none. With `bias`
+    (DSpark) the logits carry the Markov bias, d CE / d h holds the gradient of the chunk's share
+    of the loss (Σ coef · (CE, KL)) and d KL / d h is None. The chunk's [c, V] logits and their
+    gradient die on return, before the next chunk's."""
     ce, top, kl, g_ce, g_kl = out
     ce_fn, kl_fn = _fused(_ce_chunk, h.is_cuda), _fused(_kl_chunk, h.is_cuda)
     logits = h @ weight.T
+    if bias is not None:
+        bias.top_plain[:] = logits.argmax(-1)
+        if bias.u is not None:
+            logits = logits.addmm_(bias.u.to(logits.dtype), bias.w2.T.to(logits.dtype))
     if cand[0].shape[1]:
         cand[0][:], cand[1][:] = head_candidates(logits, labels, cand[0].shape[1] - 1)
     ce[:], top[:], d = ce_fn(logits, labels, g_ce is not None)
-    if g_ce is not None:
+    if bias is not None and g_ce is not None:
+        g_ce.zero_()
+        _chunk_grad(d, bias.coef[:, 0], weight, g_ce, bias)
+    elif g_ce is not None:
         torch.mm(d, weight, out=g_ce)
-    if target_h is not None:
-        del d  # the KL pass needs a second [c, V] (the target's logits): drop the CE gradient first
-        kl[:], dk = kl_fn(logits, target_h @ weight.T, temperature, g_kl is not None)
-        if g_kl is not None:
-            torch.mm(dk, weight, out=g_kl)
+    if target_h is None:
+        return
+    del d  # the target's pass needs a second [c, V] (its logits): drop the CE gradient first
+    target_logits = target_h @ weight.T
+    if bias is not None:
+        bias.overlap[:] = torch.minimum(torch.softmax(logits.float(), -1), torch.softmax(target_logits.float(), -1)).sum(-1)
+    if kl is None:
+        return
+    kl[:], dk = kl_fn(logits, target_logits, temperature, g_ce is not None)
+    if bias is not None and g_ce is not None:
+        _chunk_grad(dk, bias.coef[:, 1], weight, g_ce, bias)
+    elif g_kl is not None:
+        torch.mm(dk, weight, out=g_kl)
+
+
+def _chunk_grad(d: Tensor, coef: Tensor, weight: Tensor, g_h: Tensor, bias: _Bias) -> None:
+    """Gradient rows d [c, V] (d loss_row / d logits), scaled by each row's coefficient, into
+    d / d h, d / d u and W2's sum: dW2 += d^T u."""
+    d = d * coef[:, None].to(d.dtype)
+    g_h.addmm_(d, weight)
+    if bias.u is not None and bias.g_u is not None:
+        bias.g_u.addmm_(d, bias.w2.to(d.dtype))
+        bias.dw2.addmm_(d.T.float(), bias.u.float())
 
 
 # Logits held at once by the head: rows per chunk = HEAD_CHUNK_LOGITS // vocab (1766 rows of
@@ -231,37 +278,63 @@ HEAD_CHUNK_LOGITS = 1 << 28
 
 
 class _ChunkedHead(torch.autograd.Function):
+    """Per-row mode (`coef` None): CE and KL per row are differentiable w.r.t. hidden. Summed mode
+    (DSpark, `coef` [N, 2]): the last output, loss = Σ_rows coef · (CE, KL), is differentiable
+    w.r.t. hidden, u and W2; W2's gradient sums over every row, so the rows' coefficients come in
+    before the pass and the gradient is complete when it ends."""
+
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: Tensor | None,
-                temperature: float, chunk: int, top_k: int):
-        n = hidden.shape[0]
-        want_grad = ctx.needs_input_grad[0]
-        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        top = torch.empty(n, dtype=torch.long, device=hidden.device)
-        kl = torch.empty(n if target_hidden is not None else 0, dtype=torch.float32, device=hidden.device)
+                temperature: float, chunk: int, top_k: int, u: Tensor | None = None, w2: Tensor | None = None,
+                coef: Tensor | None = None, want_kl: bool = True):
+        n, dev = hidden.shape[0], hidden.device
+        summed = coef is not None
+        want_grad = ctx.needs_input_grad[0] or (summed and any(ctx.needs_input_grad[7:9]))
+        want_kl = target_hidden is not None and want_kl
+        ce = torch.empty(n, dtype=torch.float32, device=dev)
+        top = torch.empty(n, dtype=torch.long, device=dev)
+        kl = torch.empty(n if want_kl else 0, dtype=torch.float32, device=dev)
         g_ce = torch.empty_like(hidden) if want_grad else None
-        g_kl = torch.empty_like(hidden) if want_grad and target_hidden is not None else None
+        g_kl = torch.empty_like(hidden) if want_grad and want_kl and not summed else None
         k = top_k + 1 if top_k else 0
-        cand = (torch.empty(n, k, dtype=torch.long, device=hidden.device),
-                torch.empty(n, k, dtype=torch.float32, device=hidden.device))
+        cand = (torch.empty(n, k, dtype=torch.long, device=dev), torch.empty(n, k, dtype=torch.float32, device=dev))
+        bias = None
+        if summed:
+            bias = _Bias(u, w2, coef, torch.empty(n if target_hidden is not None else 0, device=dev),
+                         torch.empty(n, dtype=torch.long, device=dev),
+                         torch.zeros_like(u) if want_grad and u is not None else None,
+                         torch.zeros(w2.shape, dtype=torch.float32, device=dev) if want_grad and u is not None else None)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             part = lambda t: None if t is None else t[s:e]  # noqa: E731
+            part_bias = None if bias is None else _Bias(
+                part(u), w2, coef[s:e], bias.overlap[s:e] if target_hidden is not None else None,
+                bias.top_plain[s:e], part(bias.g_u), bias.dw2)
             _head_chunk(hidden[s:e], weight, labels[s:e], part(target_hidden), temperature,
-                        (ce[s:e], top[s:e], part(kl), part(g_ce), part(g_kl)), (cand[0][s:e], cand[1][s:e]))
-        ctx.save_for_backward(g_ce, g_kl, weight, cand[0])
-        ctx.mark_non_differentiable(top, cand[0])
-        return ce, kl, top, *cand
+                        (ce[s:e], top[s:e], part(kl) if want_kl else None, part(g_ce), part(g_kl)),
+                        (cand[0][s:e], cand[1][s:e]), part_bias)
+        loss = (coef[:, 0] * ce).sum() + ((coef[:, 1] * kl).sum() if want_kl else 0.0) if summed else ce.new_zeros(())
+        ctx.summed, ctx.w2_dtype = summed, None if w2 is None else w2.dtype
+        ctx.save_for_backward(g_ce, g_kl, weight, cand[0], *((bias.g_u, bias.dw2) if summed else (None, None)))
+        plain = bias.top_plain if summed else top.new_empty(0)
+        overlap = bias.overlap if summed else ce.new_empty(0)
+        ctx.mark_non_differentiable(top, cand[0], plain, overlap, *((ce, kl) if summed else ()))
+        return ce, kl, top, *cand, overlap, plain, loss
 
     @staticmethod
-    def backward(ctx, d_ce: Tensor, d_kl: Tensor, _d_top: Tensor, _d_ids: Tensor, d_cand: Tensor | None):
-        g_ce, g_kl, weight, ids = ctx.saved_tensors
+    def backward(ctx, d_ce: Tensor, d_kl: Tensor, _d_top: Tensor, _d_ids: Tensor, d_cand: Tensor | None,
+                 _d_overlap: Tensor, _d_plain: Tensor, d_loss: Tensor):
+        g_ce, g_kl, weight, ids, g_u, dw2 = ctx.saved_tensors
+        if ctx.summed:  # one scalar upstream: the gradients were complete in the forward pass
+            d_u = None if g_u is None else (g_u.float() * d_loss).to(g_u.dtype)
+            d_w2 = None if dw2 is None else (dw2 * d_loss).to(ctx.w2_dtype)
+            return (g_ce.float() * d_loss).to(g_ce.dtype), None, None, None, None, None, None, d_u, d_w2, None, None
         grad = g_ce.float() * d_ce[:, None]
         if g_kl is not None:
             grad = grad + g_kl.float() * d_kl[:, None]
         if d_cand is not None and ids.shape[1]:  # d logit[c] / d h = W[c]: a weighted sum of the candidates' rows
             grad = grad + F.embedding_bag(ids, weight, per_sample_weights=d_cand.to(weight.dtype), mode="sum").float()
-        return grad.to(g_ce.dtype), None, None, None, None, None, None
+        return grad.to(g_ce.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def head_losses(hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: Tensor | None = None,
@@ -272,11 +345,41 @@ def head_losses(hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: T
     without `target_hidden`), the argmax [N], and with top_k > 0 the selector's candidates
     (`head_candidates`: the top-k's ids then the label's [N, top_k + 1], and their logits, fp32).
     Differentiable w.r.t. `hidden` only."""
-    if weight.requires_grad:
-        raise ValueError("head_losses: the LM head is the target's and stays frozen (weight.requires_grad must be False)")
+    _check_frozen(weight)
     chunk = chunk_rows or max(1, HEAD_CHUNK_LOGITS // weight.shape[0])
     out = _ChunkedHead.apply(hidden, weight, labels, target_hidden, float(temperature), chunk, top_k)
-    return out if top_k else out[:3]
+    return out[:5] if top_k else out[:3]
+
+
+@dataclass
+class BiasedHead:
+    """`biased_head_losses`: per labelled row, fp32 unless ids."""
+
+    loss: Tensor  # scalar Σ coef · (CE, KL), differentiable w.r.t. hidden, u and W2
+    ce: Tensor  # [N] CE of the biased logits
+    kl: Tensor  # [N] (empty without KL)
+    top: Tensor  # [N] argmax of the biased logits (what greedy decoding drafts, teacher-forced)
+    top_plain: Tensor  # [N] argmax without the bias
+    overlap: Tensor  # [N] Σ_v min(p_v, q_v) at temperature 1, p the target's (empty without target_hidden)
+
+
+def biased_head_losses(hidden: Tensor, weight: Tensor, labels: Tensor, coef: Tensor, u: Tensor | None = None,
+                       w2: Tensor | None = None, target_hidden: Tensor | None = None, want_kl: bool = False,
+                       temperature: float = 1.0, chunk_rows: int | None = None) -> BiasedHead:
+    """DSpark's head in row chunks: logits = hidden W^T + u W2^T (W frozen [V, H]; u [N, r] and W2
+    [V, r] trained; no bias without u), and the loss Σ_rows coef[:, 0] CE + coef[:, 1] KL (coef [N, 2],
+    detached: what each row's terms weigh in the loss), with Σ min(p, q) against the target's
+    distribution softmax(target_hidden W^T). Never holds [N, V] logits."""
+    _check_frozen(weight)
+    chunk = chunk_rows or max(1, HEAD_CHUNK_LOGITS // weight.shape[0])
+    ce, kl, top, _, _, overlap, plain, loss = _ChunkedHead.apply(
+        hidden, weight, labels, target_hidden, float(temperature), chunk, 0, u, w2, coef.detach().float(), want_kl)
+    return BiasedHead(loss, ce, kl, top, plain, overlap)
+
+
+def _check_frozen(weight: Tensor) -> None:
+    if weight.requires_grad:
+        raise ValueError("head_losses: the LM head is the target's and stays frozen (weight.requires_grad must be False)")
 
 
 # ---- one micro-batch ------------------------------------------------------------------------
@@ -290,12 +393,13 @@ class LossSettings:
     kl_temperature: float = 1.0
     dpace_alpha: float = 0.5
     selector_alpha: float = 1.0  # DFlash 2: weight of the selector's K-way cross-entropy
+    confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE
 
     @classmethod
     def from_config(cls, train_cfg, block_size: int) -> "LossSettings":
         gamma = train_cfg.gamma if train_cfg.gamma is not None else default_gamma(block_size)
         return cls(train_cfg.loss, gamma, train_cfg.kl_weight, train_cfg.kl_temperature, train_cfg.dpace_alpha,
-                   train_cfg.selector_loss_alpha)
+                   train_cfg.selector_loss_alpha, train_cfg.confidence_head_alpha)
 
 
 @dataclass
@@ -308,7 +412,7 @@ class MicroBatch:
     anchors: Tensor  # [b, n]
     labels: Tensor  # [b, n * B], IGNORE where no loss
     label_rows: Tensor  # [N] flat indices of the labelled slots (known on the host: no device sync)
-    final_hidden: Tensor | None = None  # [b, T, H] target's final hidden state ("kl" only; never noised)
+    final_hidden: Tensor | None = None  # [b, T, H] target's final hidden state ("kl", a confidence head; never noised)
 
     def to(self, device, dtype: torch.dtype | None = None) -> "MicroBatch":
         pin = torch.device(device).type == "cuda"
@@ -342,70 +446,182 @@ class LossOut:
     block_valid: Tensor  # [blocks] the block is a real anchor
     # Sums of the family's metrics (`FAMILY_METRICS`: name -> (numerator, denominator)); empty for DFlash.
     extra: dict[str, Tensor] = field(default_factory=dict)
+    # A confidence head's reliability sums [CALIBRATION_BINS, 4]: per bin of predicted confidence, the
+    # count, Σ confidence, Σ greedy hit (label == drafted token), Σ min(p, q) summed over vocab.
+    calibration: Tensor | None = None
 
 
-# The family's training metrics, each a ratio of two sums over a step (or a held-out pass).
+# The family's training metrics, each a ratio of two sums over a step (or a held-out pass);
+# "confidence": those of a drafter with a confidence head (DSpark's, whose target is Σ min(p, q)).
 FAMILY_METRICS = {"dflash2": {"recall": ("recall_hits", "rows"),  # unary top-K holds the label
                               "selector_acc": ("selector_hits", "recall_hits"),  # teacher-forced, where it can be right
-                              "tau_unary": ("unary_accept", "blocks")}}  # DFlash's chain of unary argmaxes
+                              "tau_unary": ("unary_accept", "blocks")},  # DFlash's chain of unary argmaxes
+                  "dspark": {"tau_unbiased": ("plain_accept", "blocks")},  # the argmaxes without the Markov bias
+                  "confidence": {"conf_bce": ("conf_bce", "rows"), "conf_mean": ("conf_sum", "rows"),
+                                 "overlap_mean": ("overlap_sum", "rows"),  # Σ min(p, q): the head's target
+                                 "tau_overlap": ("overlap_accept", "blocks")}}  # the rejection rule's expected τ
+CALIBRATION_BINS = 10
 
 
-def family_sums(kind: str) -> list[str]:
-    """The sums `LossOut.extra` holds for a drafter of `kind`, in a fixed order (for one all-reduce)."""
-    return sorted({n for pair in FAMILY_METRICS.get(kind, {}).values() for n in pair})
+def _metric_set(cfg) -> dict[str, tuple[str, str]]:
+    conf = FAMILY_METRICS["confidence"] if cfg.enable_confidence_head else {}
+    return {**FAMILY_METRICS.get(cfg.kind, {}), **conf}
 
 
-def family_metrics(kind: str, sums: dict[str, float]) -> dict[str, float]:
-    return {m: sums[a] / max(sums[b], 1e-12) for m, (a, b) in FAMILY_METRICS.get(kind, {}).items()}
+def family_sums(cfg) -> list[str]:
+    """The sums `LossOut.extra` holds for a drafter of config `cfg`, in a fixed order (for one all-reduce)."""
+    return sorted({n for pair in _metric_set(cfg).values() for n in pair})
+
+
+def family_metrics(cfg, sums: dict[str, float]) -> dict[str, float]:
+    return {m: sums[a] / max(sums[b], 1e-12) for m, (a, b) in _metric_set(cfg).items()}
+
+
+def calibration_report(sums: Tensor) -> dict[str, Any]:
+    """`LossOut.calibration` sums [bins, 4] -> the reliability table (per bin of predicted
+    confidence: mean predicted, mean observed as the greedy hit and as Σ min(p, q), count) and the
+    expected calibration error against each: Σ_bins count / total * |mean predicted - mean observed|."""
+    count, conf, hit, overlap = sums.double().unbind(-1)
+    n = count.clamp(min=1)
+    total = max(float(count.sum()), 1.0)
+    table = [{"bin": [i / len(count), (i + 1) / len(count)], "predicted": round(float(conf[i] / n[i]), 4),
+              "hit": round(float(hit[i] / n[i]), 4), "overlap": round(float(overlap[i] / n[i]), 4),
+              "count": int(count[i])} for i in range(len(count))]
+    ece = lambda obs: float(((conf - obs).abs()).sum() / total)  # noqa: E731  (count * |mean - mean| = |sum - sum|)
+    return {"reliability": table, "ece_hit": ece(hit), "ece_overlap": ece(overlap)}
+
+
+@dataclass
+class _Terms:
+    """One head pass over the labelled rows (N): the loss, each row's weight, what decoding would
+    draft there (teacher-forced), and the family's sums."""
+
+    loss_sum: Tensor
+    weights: Tensor  # [N]
+    top: Tensor  # [N]
+    extra: dict[str, Tensor]
+    calibration: Tensor | None = None
 
 
 def block_loss(drafter, embed, head_weight: Tensor, mb: MicroBatch, settings: LossSettings,
                backend: str = "sdpa", chunk_rows: int | None = None) -> LossOut:
     """Forward one micro-batch through the training path and the chunked LM head. accept_len is
-    what decoding gets: DFlash 2's selector walk (its predecessor the label before, exact while
-    the walk matches), else the unary argmax."""
+    what decoding gets: DFlash 2's selector walk, DSpark's Markov-biased argmaxes (their
+    predecessor the label before, exact while the walk matches), else the unary argmax."""
     cfg = drafter.config
     B, first = cfg.block_size, int(cfg.sample_from_anchor)
     hidden = training_hidden(drafter, embed, mb.input_ids, mb.features, mb.anchors, mb.ctx_valid, backend)
     labels, rows = mb.labels.flatten(), mb.label_rows
     h = hidden.flatten(0, 1).index_select(0, rows)
-    target_h = _kl_targets(mb, rows, B, first) if settings.loss == "kl" else None
-    selector = getattr(unwrap(drafter), "candidate_selector", None)
+    terms_of = _dspark_terms if cfg.kind == "dspark" else _unary_terms
+    t = terms_of(unwrap(drafter), hidden, h, mb, settings, head_weight, chunk_rows)
+    slot = rows % B
+    hit = t.top == labels[rows]
+    block_valid = (labels.view(-1, B) != IGNORE).any(-1)
+    if t.extra:
+        t.extra["blocks"] = block_valid.sum().float()
+    return LossOut(
+        loss_sum=t.loss_sum,
+        weight_sum=t.weights.sum().detach(),
+        slot_correct=torch.zeros(B, device=h.device).index_add_(0, slot, hit.float()),  # bincount would sync
+        slot_count=torch.zeros(B, device=h.device).index_add_(0, slot, torch.ones_like(t.weights)),
+        accept_len=_accept(hit, rows, labels.numel(), B, first),
+        block_valid=block_valid,
+        extra=t.extra,
+        calibration=t.calibration,
+    )
+
+
+def _unary_terms(core, hidden: Tensor, h: Tensor, mb: MicroBatch, settings: LossSettings, head_weight: Tensor,
+                 chunk_rows: int | None) -> _Terms:
+    """DFlash's CE / KL / D-PACE over the head's logits, plus DFlash 2's selector."""
+    cfg = core.config
+    B, first = cfg.block_size, int(cfg.sample_from_anchor)
+    labels, rows = mb.labels.flatten(), mb.label_rows
+    target_h = _final_targets(mb, rows, B, first, "train.loss='kl'") if settings.loss == "kl" else None
+    selector = core.selector()
     ce, kl, top, *cand = head_losses(h, head_weight, labels[rows], target_h, settings.kl_temperature, chunk_rows,
                                      cfg.selector_top_k if selector is not None else 0)
-    slot = rows % B
     if settings.loss == "dpace":
-        grid_ce = torch.zeros(labels.numel(), device=ce.device).index_copy_(0, rows, ce.detach()).view(-1, B)
-        valid = (labels != IGNORE).view(-1, B)
-        w = dpace_weights(grid_ce, valid, settings.dpace_alpha).flatten()[rows]
+        w = _dpace_rows(ce, labels, rows, B, settings.dpace_alpha)
     else:
-        w = slot_weights(B, settings.gamma, ce.device, bool(first))[slot]
+        w = slot_weights(B, settings.gamma, ce.device, bool(first))[rows % B]
     per_row = ce if settings.loss != "kl" else (1 - settings.kl_weight) * ce + settings.kl_weight * kl
     extra: dict[str, Tensor] = {}
     if selector is not None:
         preds = block_predecessors(mb.input_ids, mb.anchors, B, bool(first)).flatten()[rows]
         sel_ce, top, extra = selector_terms(selector, h, preds, labels[rows], *cand)
         per_row = per_row + settings.selector_alpha * sel_ce
-        extra["unary_accept"] = _accept(extra.pop("unary_hit"), rows, labels.numel(), B, first).sum().float()
-    hit = top == labels[rows]
-    accept = _accept(hit, rows, labels.numel(), B, first)
-    block_valid = (labels.view(-1, B) != IGNORE).any(-1)
-    if extra:
-        extra["blocks"] = block_valid.sum().float()
-    return LossOut(
-        loss_sum=(w * per_row).sum(),
-        weight_sum=w.sum().detach(),
-        slot_correct=torch.zeros(B, device=ce.device).index_add_(0, slot, hit.float()),  # bincount would sync
-        slot_count=torch.zeros(B, device=ce.device).index_add_(0, slot, torch.ones_like(ce)),
-        accept_len=accept,
-        block_valid=block_valid,
-        extra=extra,
-    )
+        extra["unary_accept"] = _accept_sum(extra.pop("unary_hit"), rows, labels, B, first)
+    return _Terms((w * per_row).sum(), w, top, extra)
 
 
-def _kl_targets(mb: MicroBatch, rows: Tensor, B: int, first: int) -> Tensor:
+def _dpace_rows(ce: Tensor, labels: Tensor, rows: Tensor, B: int, alpha: float) -> Tensor:
+    grid_ce = torch.zeros(labels.numel(), device=ce.device).index_copy_(0, rows, ce.detach()).view(-1, B)
+    valid = (labels != IGNORE).view(-1, B)
+    return dpace_weights(grid_ce, valid, alpha).flatten()[rows]
+
+
+def _dspark_terms(core, hidden: Tensor, h: Tensor, mb: MicroBatch, settings: LossSettings, head_weight: Tensor,
+                  chunk_rows: int | None) -> _Terms:
+    """DSpark: the loss over the Markov-biased logits (logits = h W^T + W2 u, u from the teacher-forced
+    token before each slot: `block_predecessors`), then the confidence head's BCE against Σ min(p, q),
+    p the target's distribution at the slot, q the drafter's (biased, detached)."""
+    cfg = core.config
+    B, first = cfg.block_size, int(cfg.sample_from_anchor)
+    labels, rows = mb.labels.flatten(), mb.label_rows
+    conf_head = core.confidence()
+    want_target = settings.loss == "kl" or conf_head is not None
+    why = "train.loss='kl'" if settings.loss == "kl" else "the confidence head's target"
+    target_h = _final_targets(mb, rows, B, first, why) if want_target else None
+    fixed = slot_weights(B, settings.gamma, h.device, bool(first))[rows % B]
+    preds = block_predecessors(mb.input_ids, mb.anchors, B, bool(first)).view(-1, B)
+
+    def head(coef: Tensor):
+        def run(u: Tensor | None, emb: Tensor | None, w2: Tensor | None) -> tuple[BiasedHead, Tensor | None]:
+            pick = lambda t: None if t is None else t.flatten(0, 1).index_select(0, rows)  # noqa: E731
+            return biased_head_losses(h, head_weight, labels[rows], coef, pick(u), w2, target_h, settings.loss == "kl",
+                                      settings.kl_temperature, chunk_rows), pick(emb)
+        markov = core.markov()
+        # Through the head's forward: under FSDP2 it gathers W1 and W2 there.
+        return run(None, None, None) if markov is None else markov(preds, hidden.view(-1, B, hidden.shape[-1]), run)
+
+    w = fixed
+    if settings.loss == "dpace":  # its weights come from the biased CE: a first pass, without gradients
+        with torch.no_grad():
+            w = _dpace_rows(head(torch.zeros(len(rows), 2, device=h.device))[0].ce, labels, rows, B, settings.dpace_alpha)
+    kl_share = settings.kl_weight if settings.loss == "kl" else 0.0
+    out, emb = head(torch.stack([w * (1 - kl_share), w * kl_share], -1))
+    extra = {"plain_accept": _accept_sum(out.top_plain == labels[rows], rows, labels, B, first)}
+    t = _Terms(out.loss, w, out.top, extra)
+    if conf_head is not None:
+        _confidence_terms(conf_head, h if emb is None else torch.cat([h, emb.to(h.dtype)], -1), out, fixed,
+                          settings.confidence_alpha, mb, t, first)
+    return t
+
+
+def _confidence_terms(conf_head, features: Tensor, out: BiasedHead, weights: Tensor, alpha: float, mb: MicroBatch,
+                      t: _Terms, first: int) -> None:
+    """The confidence head's BCE (slot-weighted, as the reference keeps it under D-PACE too) into the
+    loss; its metrics and reliability sums into `t`."""
+    B = mb.labels.shape[1] // mb.anchors.shape[1]
+    labels, rows = mb.labels.flatten(), mb.label_rows
+    logit = conf_head(features).float()
+    bce = F.binary_cross_entropy_with_logits(logit, out.overlap, reduction="none")
+    t.loss_sum = t.loss_sum + alpha * (weights * bce).sum()
+    conf = torch.sigmoid(logit.detach())
+    grid = torch.zeros(labels.numel(), device=conf.device).index_copy_(0, rows, out.overlap).view(-1, B)[:, 1 - first:]
+    valid = (labels.view(-1, B) != IGNORE).any(-1)
+    t.extra.update(rows=torch.ones_like(bce).sum(), conf_bce=bce.detach().sum(), conf_sum=conf.sum(),
+                   overlap_sum=out.overlap.sum(), overlap_accept=((1 + grid.cumprod(-1).sum(-1)) * valid).sum())
+    bins = (conf * CALIBRATION_BINS).long().clamp(max=CALIBRATION_BINS - 1)
+    cols = torch.stack([torch.ones_like(conf), conf, (out.top == labels[rows]).float(), out.overlap], -1)
+    t.calibration = torch.zeros(CALIBRATION_BINS, 4, device=conf.device).index_add_(0, bins, cols)
+
+
+def _final_targets(mb: MicroBatch, rows: Tensor, B: int, first: int, why: str) -> Tensor:
     if mb.final_hidden is None:
-        raise ValueError("train.loss='kl' needs the target's final hidden state (online features, or a feature "
+        raise ValueError(f"{why} needs the target's final hidden state (online features, or a feature "
                          "cache that holds the last layer)")
     # The target's distribution over the token at position p comes from its hidden state at p - 1.
     prev = (block_positions(mb.anchors, B) - 1 + first).clamp(min=0).flatten()
@@ -417,6 +633,12 @@ def _accept(hit: Tensor, rows: Tensor, n: int, B: int, first: int) -> Tensor:
     """Per block, 1 + the leading drafting slots whose token hit (hit [N] over the labelled rows)."""
     match = torch.zeros(n, dtype=torch.bool, device=rows.device).index_copy_(0, rows, hit).view(-1, B)
     return 1 + match[:, 1 - first:].long().cumprod(-1).sum(-1)
+
+
+def _accept_sum(hit: Tensor, rows: Tensor, labels: Tensor, B: int, first: int) -> Tensor:
+    """`_accept` summed over the real blocks (a padding block would count 1)."""
+    valid = (labels.view(-1, B) != IGNORE).any(-1)
+    return (_accept(hit, rows, labels.numel(), B, first) * valid).sum().float()
 
 
 def selector_terms(selector, h: Tensor, preds: Tensor, labels: Tensor, ids: Tensor, logits: Tensor

@@ -53,9 +53,9 @@ from dflashkit.config import TrainConfig, dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow, upgraded
 from dflashkit.jobgroup import Heartbeat, join_job
 from dflashkit.optim import HostAdamW
-from dflashkit.objective import (LossSettings, MicroBatch, add_feature_noise, anchor_runs, block_loss,
-                                 check_label_sources, family_metrics, family_sums, micro_batch, pad_anchors,
-                                 replay_rounds, sample_anchors)
+from dflashkit.objective import (CALIBRATION_BINS, LossSettings, MicroBatch, add_feature_noise, anchor_runs,
+                                 block_loss, calibration_report, check_label_sources, family_metrics, family_sums,
+                                 micro_batch, pad_anchors, replay_rounds, sample_anchors)
 from dflashkit.progress import progress
 from dflashkit.rundir import output_directory, replace_dir
 
@@ -173,7 +173,8 @@ class Batcher:
                  cfg: DrafterConfig, tcfg, max_length: int, device: torch.device, dtype: torch.dtype) -> None:
         self.samples, self.target, self.cfg, self.tcfg = samples, target, cfg, tcfg
         self.max_length, self.device, self.dtype = max_length, device, dtype
-        self.need_final = tcfg.loss == "kl"
+        # The target's final hidden state: the KL loss's target, and a confidence head's (Σ min(p, q)).
+        self.need_final = tcfg.loss == "kl" or cfg.enable_confidence_head
         last = cfg.num_target_layers - 1
         wanted = list(cfg.target_layer_ids) + ([last] if self.need_final else [])
         if feature_layer_ids is None:  # online: ask the target for exactly these layers, in this order
@@ -182,7 +183,8 @@ class Batcher:
         else:
             missing = [i for i in wanted if i not in feature_layer_ids]
             if missing:
-                why = f" (layer {last} = the target's final hidden state, for train.loss='kl')" if last in missing else ""
+                use = "train.loss='kl'" if tcfg.loss == "kl" else "the confidence head"
+                why = f" (layer {last} = the target's final hidden state, for {use})" if last in missing else ""
                 raise ValueError(f"data.features holds target layers {feature_layer_ids}, but layers {missing} are "
                                  f"needed{why}; re-extract with those layers or train online")
             self.online_layers = None
@@ -391,7 +393,7 @@ class Trainer:
         """Forward + backward of each micro-batch, gradients summed; -> the step's statistics
         [loss sum, weight sum, per-slot correct, per-slot count, blocks], on the device."""
         self.model.train()
-        B, extra = self.cfg.block_size, family_sums(self.cfg.kind)
+        B, extra = self.cfg.block_size, family_sums(self.cfg)
         acc = torch.zeros(3 + 2 * B + len(extra), dtype=torch.float64, device=self.head_weight.device)
         for i, mb in enumerate(batches):
             with self._sync(i == n - 1):
@@ -414,13 +416,13 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         correct, count = acc[2: 2 + B], acc[2 + B: 2 + 2 * B]
-        names = family_sums(self.cfg.kind)
+        names = family_sums(self.cfg)
         first = int(not self.cfg.sample_from_anchor)
         return {"loss": float(loss_sum / weight_sum) if has_labels else float("nan"),
                 "acc": float(correct[first:].sum() / count[first:].sum().clamp(min=1)),
                 "grad_norm": float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
                 "lr": lr, "block_tokens": float(acc[2 + 2 * B]) * B,
-                **family_metrics(self.cfg.kind, dict(zip(names, acc[3 + 2 * B:].tolist())))}
+                **family_metrics(self.cfg, dict(zip(names, acc[3 + 2 * B:].tolist())))}
 
     def _device_update(self, scale: float, has_labels: bool) -> Tensor:
         grads = []
@@ -476,18 +478,21 @@ class Trainer:
         tau_rounds (decoding rounds replayed over the anchors, as online decoding averages them;
         exact when every answer position is an anchor) and the histogram of acceptance lengths."""
         self.model.eval()
-        B = self.cfg.block_size
+        B, cfg = self.cfg.block_size, self.cfg
         dev = self.head_weight.device
-        names = family_sums(self.cfg.kind)
-        acc = torch.zeros(2 + 2 * B + (B + 1) + len(names), dtype=torch.float64, device=dev)
+        names = family_sums(cfg)
+        L = len(cfg.draft_slots) + 2  # τ = 1 + accepted drafts: 1 .. len(draft_slots) + 1
+        calib = CALIBRATION_BINS * 4 if cfg.enable_confidence_head else 0
+        acc = torch.zeros(2 + 2 * B + L + len(names) + calib, dtype=torch.float64, device=dev)
         replayed = [0, 0]  # tokens, rounds
         for mb, counted in batches:
             out = self._forward(mb)
             if not counted:
                 continue
-            hist = torch.bincount(out.accept_len[out.block_valid], minlength=B + 1)
+            hist = torch.bincount(out.accept_len[out.block_valid], minlength=L)
             acc += torch.cat([out.loss_sum[None], out.weight_sum[None], out.slot_correct, out.slot_count, hist,
-                              *(out.extra[k][None] for k in names)]).double()
+                              *(out.extra[k][None] for k in names),
+                              *([out.calibration.flatten()] if calib else [])]).double()
             n = mb.anchors.shape[1]
             for anchors, taus, valid in zip(mb.anchors.tolist(), out.accept_len.view(-1, n).tolist(),
                                             out.block_valid.view(-1, n).tolist()):
@@ -497,16 +502,17 @@ class Trainer:
                 replayed[1] += len(rounds)
         acc = torch.cat([acc, torch.tensor(replayed, dtype=torch.float64, device=dev)])
         _all_sum(acc, self.d)
-        correct, count, hist = acc[2: 2 + B], acc[2 + B: 2 + 2 * B], acc[2 + 2 * B: 3 + 3 * B]
+        correct, count, hist = acc[2: 2 + B], acc[2 + B: 2 + 2 * B], acc[2 + 2 * B: 2 + 2 * B + L]
         n_blocks = float(hist.sum())
-        tau = float((hist * torch.arange(B + 1, device=dev)).sum() / max(n_blocks, 1.0))
-        first = int(not self.cfg.sample_from_anchor)
+        tau = float((hist * torch.arange(L, device=dev)).sum() / max(n_blocks, 1.0))
+        first, tail = cfg.draft_slots.start, 2 + 2 * B + L
         return {"loss": float(acc[0] / acc[1].clamp(min=1e-12)),
                 "acc": float(correct[first:].sum() / count[first:].sum().clamp(min=1)),
                 "tau_sim": tau, "tau_rounds": float(acc[-2] / acc[-1].clamp(min=1)),
                 "slot_acc": [round(float(c / max(float(k), 1.0)), 4) for c, k in zip(correct[first:], count[first:])],
                 "accept_hist": [int(h) for h in hist[1:]], "blocks": int(n_blocks),
-                **family_metrics(self.cfg.kind, dict(zip(names, acc[3 + 3 * B: 3 + 3 * B + len(names)].tolist())))}
+                **family_metrics(cfg, dict(zip(names, acc[tail: tail + len(names)].tolist()))),
+                **(calibration_report(acc[tail + len(names): tail + len(names) + calib].view(-1, 4)) if calib else {})}
 
     # ---- full, process-count-independent state (collective under FSDP: every rank must call) ----
     def full_params(self) -> dict[str, Tensor]:
@@ -1013,7 +1019,7 @@ def _setup(cfg, d: Dist, want: torch.device, target: Any, samples: Sequence[Any]
     resume_dir = find_resume(out_dir, resume)
     drafter = _new_or_loaded_drafter(cfg, target, resume_dir)
     dcfg = drafter.config
-    check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss)
+    check_label_sources(dcfg.target_layer_ids, target.num_layers, tc.loss, dcfg.enable_confidence_head)
     ids = sample_ids(samples)
     train_idx, eval_idx = split_eval(len(samples), tc.eval_samples, tc.seed, ids)
     eval_groups = held_out_groups(ids, eval_idx)
@@ -1114,6 +1120,8 @@ def _evaluate(run: Run, done: int) -> None:
     if ev["tau_sim"] <= run.best["tau_sim"]:
         return
     best = {"tau_sim": ev["tau_sim"], "step": done}
+    if "ece_hit" in ev:  # a confidence head's held-out calibration
+        best["calibration"] = {k: ev[k] for k in ("ece_hit", "ece_overlap", "reliability")}
     if run.eval_groups:  # per suite, for comparison with online τ suite by suite
         best["tau_sim_by_suite"] = {g: _held_out(run, idx)["tau_sim"] for g, idx in run.eval_groups.items()}
     if run.probe_idx:  # decoding rounds replayed on each probe set: what online decoding of it averages

@@ -1,0 +1,195 @@
+"""DSpark (drafter family): the Markov-biased loss and the confidence head's, against a plain
+computation over full logits with the reference's Markov head; its metrics; training from scratch
+and from a DFlash drafter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_drafter, make_tiny_family
+from dflashkit.config import Config, DrafterSettings
+from dflashkit.drafter import training_hidden, upgraded
+from dflashkit.objective import (IGNORE, LossSettings, block_loss, calibration_report, micro_batch, pad_anchors,
+                                 slot_weights)
+
+
+def _batch(target, drafter, anchors=((2, 9, 21), (5, 14)), T=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 120, (len(anchors), T), generator=g)
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[0, 12:14] = False
+    feats = target.forward(ids, drafter.config.target_layer_ids, logits=False).features
+    final = target.forward(ids, [target.num_layers - 1], logits=False).features
+    a, valid = pad_anchors([torch.tensor(x) for x in anchors])
+    return micro_batch(ids, lm, torch.ones_like(lm), feats, a, valid, drafter.config.block_size, final,
+                       drafter.config.sample_from_anchor)
+
+
+def _reference(drafter, target, mb, settings):
+    """The DSpark loss the plain way: [slots, vocab] logits for every slot, speculators' Markov head
+    (its `block_bias`) on the drafter's weights, autograd through everything."""
+    from speculators.models.dspark.model_definitions import MarkovHead as RefMarkov
+
+    cfg, W = drafter.config, target.model.get_output_embeddings().weight.detach()
+    B, V, first = cfg.block_size, W.shape[0], int(cfg.sample_from_anchor)
+    hidden = training_hidden(drafter, target.embed, mb.input_ids, mb.features, mb.anchors, mb.ctx_valid)
+    hb = hidden.view(-1, B, hidden.shape[-1])
+    # The token before each slot's label (position a + k + first - 1), the anchor at the least.
+    pos = (mb.anchors[..., None] + torch.arange(B) + first - 1).maximum(mb.anchors[..., None])
+    prev = mb.input_ids.gather(1, pos.flatten(1).clamp(max=mb.input_ids.shape[1] - 1)).view(-1, B)
+    m = drafter.markov()
+    ref = RefMarkov(verifier_vocab_size=V, draft_vocab_size=V, markov_rank=m.rank, hidden_size=hb.shape[-1],
+                    head_type=m.kind)
+    # The reference's parameters *are* the drafter's: gradients land on the drafter.
+    for name, p in m.named_parameters():
+        *path, leaf = name.split(".")
+        mod = ref
+        for part in path:
+            mod = getattr(mod, part)
+        delattr(mod, leaf)
+        setattr(mod, leaf, p)
+    logits = (hidden @ W.T).view(-1, B, V) + ref.block_bias(prev_token_ids=prev, hidden_states=hb)
+    labels = mb.labels.view(-1, B)
+    valid = labels != IGNORE
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE).view(-1, B)
+    tpos = (mb.anchors[..., None] + torch.arange(B) + first - 1).clamp(min=0).flatten(1)
+    target_logits = torch.stack([mb.final_hidden[i, tpos[i]] for i in range(len(tpos))]).view(-1, B, hidden.shape[-1]) @ W.T
+    per = ce
+    if settings.loss == "kl":
+        T = settings.kl_temperature
+        pt = torch.softmax(target_logits / T, -1)
+        kl = T * T * (pt * (pt.log() - torch.log_softmax(logits / T, -1))).sum(-1)
+        per = (1 - settings.kl_weight) * ce + settings.kl_weight * kl
+    k = torch.arange(B, dtype=torch.float32) + first
+    w = torch.where(k >= 1, torch.exp(-(k - 1) / settings.gamma), 0.0).expand_as(ce) * valid
+    overlap = torch.minimum(torch.softmax(logits, -1), torch.softmax(target_logits, -1)).sum(-1).detach()
+    emb = m.markov_w1.weight[prev]
+    conf = drafter.confidence()(torch.cat([hb, emb], -1))
+    bce = F.binary_cross_entropy_with_logits(conf, overlap.clamp(0, 1), reduction="none")
+    loss = ((w * per)[valid].sum() + settings.confidence_alpha * (w * bce)[valid].sum()) / w[valid].sum()
+    return loss, logits.detach(), overlap, torch.sigmoid(conf.detach())
+
+
+@pytest.mark.parametrize("kind,first,loss", [("vanilla", True, "ce"), ("gated", False, "kl"), ("rnn", True, "kl")])
+def test_dspark_loss_and_gradients_equal_full_logits(tiny_target, kind, first, loss):
+    """Chunked, the biased head's loss and every gradient (W1, W2, the gate / joint projection, the
+    confidence head, the backbone) equal autograd over full logits with the reference's head."""
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(markov_head_type=kind, sample_from_anchor=first))
+    mb = _batch(tiny_target, drafter)
+    W = tiny_target.model.get_output_embeddings().weight.detach()
+    settings = LossSettings(loss=loss, gamma=4.0, kl_weight=0.6, kl_temperature=1.5, confidence_alpha=0.7)
+    out = block_loss(drafter, tiny_target.embed, W, mb, settings, chunk_rows=5)
+    (out.loss_sum / out.weight_sum).backward()
+    got = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    want, logits, overlap, conf = _reference(drafter, tiny_target, mb, settings)
+    want.backward()
+    torch.testing.assert_close(out.loss_sum / out.weight_sum, want.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    heads = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+             *{"gated": ["markov_head.gate_proj.weight"], "rnn": ["markov_head.joint_proj.weight"]}.get(kind, [])]
+    assert all(got[n].abs().sum() > 0 for n in heads)
+    # Metrics: the biased argmax is what accept_len counts; Σ min(p, q) and the confidence their sums.
+    B, labels = drafter.config.block_size, mb.labels.view(-1, drafter.config.block_size)
+    valid = labels != IGNORE
+    hit = (logits.argmax(-1) == labels) & valid
+    lead = 1 + hit[:, 1 - int(first):].long().cumprod(-1).sum(-1)
+    assert out.accept_len.tolist() == lead.tolist()
+    assert float(out.extra["overlap_sum"]) == pytest.approx(float(overlap[valid].sum()), rel=1e-5)
+    assert float(out.extra["conf_sum"]) == pytest.approx(float(conf[valid].sum()), rel=1e-5)
+    assert float(out.calibration[:, 0].sum()) == valid.sum()
+    assert float(out.calibration[:, 2].sum()) == hit.sum()
+
+
+def test_anchor_first_slot_zero_drafts_and_counts(tiny_target):
+    """Anchor-first: slot 0 carries the label a + 1, the first weight, and τ reaches B + 1; the
+    held-out histogram has room for it."""
+    from dflashkit.train import Trainer
+
+    drafter = make_tiny_family(tiny_target, "dspark")
+    B = drafter.config.block_size
+    mb = _batch(tiny_target, drafter)
+    a = int(mb.anchors[0, 0])
+    assert mb.labels[0, :B].tolist() == mb.input_ids[0, a + 1: a + B + 1].tolist()
+    assert slot_weights(B, 4.0, anchor_first=True)[0] == 1.0
+    trainer = Trainer(drafter, tiny_target.embed, tiny_target.model.get_output_embeddings().weight, Config().train, 10,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    ev = trainer.evaluate([(mb, True)])
+    assert len(ev["accept_hist"]) == B + 1 and len(ev["slot_acc"]) == B
+    for k in ("tau_unbiased", "tau_overlap", "conf_bce", "conf_mean", "overlap_mean", "ece_hit", "ece_overlap"):
+        assert math.isfinite(ev[k]), k
+    assert sum(r["count"] for r in ev["reliability"]) == len(mb.label_rows)
+
+
+def test_calibration_report_bins_and_ece():
+    sums = torch.zeros(10, 4)
+    sums[2] = torch.tensor([4, 4 * 0.25, 1, 4 * 0.3])  # 4 rows at 0.25: 1 hit, overlap 0.3
+    sums[9] = torch.tensor([6, 6 * 0.95, 6, 6 * 0.9])
+    r = calibration_report(sums)
+    assert r["reliability"][2] == {"bin": [0.2, 0.3], "predicted": 0.25, "hit": 0.25, "overlap": 0.3, "count": 4}
+    assert r["ece_hit"] == pytest.approx(0.6 * 0.05)
+    assert r["ece_overlap"] == pytest.approx(0.4 * 0.05 + 0.6 * 0.05)
+
+
+def test_dspark_from_a_dflash_drafter_trains(tiny_target):
+    """A DFlash drafter upgraded to DSpark (its bonus-first layout kept, the Markov bias zero) drafts
+    as before at first; a short overfit run lowers its loss, the Markov head's W2 leaving zero."""
+    from dflashkit.train import Trainer
+
+    base = make_tiny_drafter(tiny_target)
+    with pytest.raises(ValueError, match="sample_from_anchor"):
+        upgraded(base, DrafterSettings(kind="dspark", markov_rank=8, sample_from_anchor=True))
+    drafter = upgraded(base, DrafterSettings(kind="dspark", markov_rank=8))
+    assert drafter.config.kind == "dspark" and not drafter.config.sample_from_anchor
+    mb = _batch(tiny_target, drafter, anchors=((2, 9, 21),))
+    W = tiny_target.model.get_output_embeddings().weight
+    first = block_loss(drafter, tiny_target.embed, W.detach(), mb, LossSettings())
+    plain = block_loss(base, tiny_target.embed, W.detach(), mb, LossSettings())
+    assert first.accept_len.tolist() == plain.accept_len.tolist()
+    tcfg = Config(train={"lr": 1e-2, "warmup_ratio": 0.0}).train
+    trainer = Trainer(drafter, tiny_target.embed, W, tcfg, 6, device=torch.device("cpu"), dtype=torch.float32)
+    losses = [trainer.step([mb], 1)["loss"] for _ in range(6)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.5
+    assert drafter.markov().markov_w2.weight.abs().sum() > 0
+
+
+DSPARK = ["drafter.kind=dspark", "drafter.markov_rank=8", "drafter.markov_head_type=rnn", "train.max_steps=2",
+          "train.micro_batch_size=2", "train.eval_every=2", "train.save_every=2"]
+
+
+def test_dspark_trains_in_every_mode(tmp_path):
+    """From scratch (anchor-first): online and offline features, the optimiser state on the host,
+    and two gloo ranks under DDP and under FSDP2 (each family head its own unit) train alike; the
+    held-out calibration reaches best.json."""
+    import json
+
+    from dflashkit.data.features import extract_features
+    from test_train import _spawn
+    from train_job import losses, make_tiny_target, run_job, tiny_samples
+
+    one = run_job(str(tmp_path / "one"), DSPARK)
+    ref = losses(one)
+    assert sorted(ref) == [1, 2] and all(math.isfinite(v) for v in ref.values())
+    best = json.loads((one / "best.json").read_text())
+    assert set(best["calibration"]) == {"ece_hit", "ece_overlap", "reliability"}
+    assert losses(run_job(str(tmp_path / "host"), [*DSPARK, "train.optimizer_state=host"])) == ref
+    cache = tmp_path / "features"
+    extract_features(make_tiny_target(), tiny_samples(), [1, 2, 3, 5], cache, dtype="float32", shard_size=300)
+    offline = run_job(str(tmp_path / "offline"), [*DSPARK, f"data.features={cache}"], samples=None)
+    assert losses(offline) == pytest.approx(ref, rel=1e-5)
+    _spawn(2, [(str(tmp_path / "ddp"), DSPARK, None), (str(tmp_path / "fsdp"), [*DSPARK, "train.parallel=fsdp"], None)])
+    assert losses(tmp_path / "ddp") == pytest.approx(ref, rel=1e-5)
+    assert losses(tmp_path / "fsdp") == pytest.approx(ref, rel=1e-5)
+
+
+def test_confidence_target_layer_must_not_be_an_fc_input():
+    from dflashkit.objective import check_label_sources
+
+    check_label_sources([1, 9, 35], 36, "ce")
+    with pytest.raises(ValueError, match="the confidence head takes its target .* layer 35"):
+        check_label_sources([1, 9, 35], 36, "ce", confidence=True)
