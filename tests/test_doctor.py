@@ -8,13 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import make_tiny_drafter, make_tiny_target
 from dflashkit.checkpoint import save_drafter
 from dflashkit.cli import main
 from dflashkit.config import DrafterSettings
 from dflashkit.doctor import ERROR, OK, WARNING, doctor, errors, has_reasoning
 from dflashkit.drafter import DFlashDrafter, new_drafter
-
-pytestmark = pytest.mark.slow
 
 QA = [("What is 2 + 2?", "2 + 2 = 4."), ("Name a prime number.", "7 is a prime number."),
       ("Say hello in French.", "Bonjour !")]
@@ -50,6 +49,7 @@ def _by_severity(findings, severity):
     return {f.check: f.message for f in findings if f.severity == severity}
 
 
+@pytest.mark.slow
 def test_compatible_drafter_passes(base, smollm2, tmp_path):
     findings = doctor(base[1], smollm2, data=_conversations(tmp_path / "regen.jsonl"))
     assert not errors(findings), [str(f) for f in findings]
@@ -61,6 +61,7 @@ def test_compatible_drafter_passes(base, smollm2, tmp_path):
     assert all(str(f).startswith(("OK ", "WARNING ")) and "\n" not in str(f) for f in findings)
 
 
+@pytest.mark.slow
 def test_compatible_tokenized_data_passes(base, smollm2, tmp_path):
     from dflashkit.data.chat import tokenize_file
 
@@ -71,6 +72,7 @@ def test_compatible_tokenized_data_passes(base, smollm2, tmp_path):
     assert "tokens" in _by_severity(findings, OK)["chat template"]
 
 
+@pytest.mark.slow
 def test_seeded_incompatibilities_each_get_their_own_message(base, smollm2, tmp_path):
     tok = smollm2.tokenizer
     drafter, good = base
@@ -101,6 +103,7 @@ def test_seeded_incompatibilities_each_get_their_own_message(base, smollm2, tmp_
         assert [f.check for f in errors(seeds[check])] == [check], [str(f) for f in errors(seeds[check])]
 
 
+@pytest.mark.slow
 def test_mask_token_checks(base, smollm2, tmp_path, monkeypatch):
     tok = smollm2.tokenizer
     eos = doctor(_edited(base, tmp_path / "eos", mask_token_id=tok.eos_token_id), smollm2)
@@ -114,6 +117,7 @@ def test_mask_token_checks(base, smollm2, tmp_path, monkeypatch):
     assert "written by the chat template" in _by_severity(templ, ERROR)["mask token"]
 
 
+@pytest.mark.slow
 def test_thinking_mode_variants(base, smollm2, tmp_path, monkeypatch):
     plain = _conversations(tmp_path / "plain.jsonl")
     # SmolLM2's template ignores enable_thinking: asking for it is a warning, not silently accepted
@@ -126,6 +130,7 @@ def test_thinking_mode_variants(base, smollm2, tmp_path, monkeypatch):
     assert has_reasoning("<think>cut short") and not has_reasoning("<think>\n\n</think>\n\nhi") and not has_reasoning("hi")
 
 
+@pytest.mark.slow
 def test_foreign_tokenized_data_and_broken_config(base, smollm2, tmp_path):
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text(json.dumps({"id": "x", "input_ids": [100, 200, 60000], "loss_mask": [0, 1, 1]}) + "\n")
@@ -140,6 +145,7 @@ def test_foreign_tokenized_data_and_broken_config(base, smollm2, tmp_path):
     assert f.severity == ERROR and f.check == "config" and "target_layer_ids" in f.message
 
 
+@pytest.mark.slow
 def test_doctor_cli_exit_codes(base, tmp_path, capsys):
     """The CLI reads the target without its weights; exit code 1 exactly when there are errors."""
     assert main(["doctor", str(base[1]), "--data", str(_conversations(tmp_path / "r.jsonl"))]) == 0
@@ -149,3 +155,28 @@ def test_doctor_cli_exit_codes(base, tmp_path, capsys):
     assert main(["doctor", str(base[1]), "--data", str(think)]) == 1
     assert "ERROR   thinking mode" in capsys.readouterr().out
     assert main(["doctor", str(base[1]), "data.thinking=true", "--data", str(think)]) == 0
+
+
+def test_an_unusable_weights_or_config_file_is_reported_with_its_real_cause(tmp_path):
+    """A checksum mismatch, a missing model.safetensors and weights of another shape each get the
+    cause and the remedy of their own, never a mismatch with config.json that is not there."""
+    target = make_tiny_target()
+    d = save_drafter(make_tiny_drafter(target), tmp_path / "d")
+    weights, config = d / "model.safetensors", d / "config.json"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-4] + bytes(4))  # damaged at the same size
+    msg = _by_severity(doctor(d, target), ERROR)["weights"]
+    assert "differs from the SHA-256 recorded" in msg and "restore it" in msg and "do not match" not in msg, msg
+    weights.unlink()
+    msg = _by_severity(doctor(d, target), ERROR)["weights"]
+    assert "no model.safetensors" in msg and "export the drafter again" in msg and "do not match" not in msg, msg
+    weights.write_bytes(data)
+    config.write_text(config.read_text().replace('"rms_norm_eps"', '"extra": 1, "rms_norm_eps"'))
+    [f] = doctor(d, target)  # an edited config.json is refused by its sum, not asked to be fixed
+    assert f.check == "config" and "differs from the SHA-256 recorded" in f.message and "fix" not in f.message
+    (d / "SHA256SUMS").unlink()  # a published drafter: no sums; config.json now wants wider layers
+    raw = json.loads(config.read_text())
+    raw["intermediate_size"] *= 2
+    config.write_text(json.dumps(raw))
+    msg = _by_severity(doctor(d, target), ERROR)["weights"]
+    assert "tensors of the wrong shape for config.json" in msg, msg

@@ -196,7 +196,7 @@ def load_config(path: str | Path) -> DrafterConfig:
     try:
         raw = json.loads(cfg_file.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e}); fix it, or export the drafter again") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_file}: top level is a {type(raw).__name__}, expected a JSON object (a drafter config)")
     bad = config_value_problems(raw)
@@ -250,7 +250,8 @@ def load_drafter(path: str | Path, target: Any = None, *, device: str | torch.de
     config = load_config(path)
     wfile = path / WEIGHTS
     if not wfile.is_file():
-        raise CheckpointError(f"{path}: no {WEIGHTS}")
+        raise CheckpointError(f"{path}: no {WEIGHTS} (a drafter directory holds {CONFIG} and {WEIGHTS}); copy the "
+                              "weights there, or export the drafter again")
     verify_file(wfile)
     state = read_safetensors(wfile)
     check_tensors(config, state, wfile)

@@ -320,16 +320,16 @@ def doctor(drafter_dir: str | Path, target: Any, *, data: str | Path | None = No
     weights optional) and, optionally, a training data file."""
     try:
         config = load_config(drafter_dir)
-    except CheckpointError as e:
-        return [Finding(ERROR, "config", f"{e}: fix config.json or re-export the drafter")]
+    except CheckpointError as e:  # its message names the file, the cause and what to do
+        return [Finding(ERROR, "config", str(e))]
     findings = [Finding(OK, "config", f"{Path(drafter_dir) / 'config.json'}: {config.num_hidden_layers} layers, "
                                       f"{config.num_taps} taps"), _kind_check(config)]
     try:
         drafter = load_drafter(drafter_dir)
         findings.append(Finding(OK, "weights", f"{drafter.num_parameters() / 1e6:.1f}M parameters "
                                                f"({next(drafter.parameters()).dtype})"))
-    except CheckpointError as e:
-        findings.append(Finding(ERROR, "weights", f"{e}: the weights do not match config.json; re-export the drafter"))
+    except CheckpointError as e:  # a damaged or missing file as much as weights of another shape
+        findings.append(Finding(ERROR, "weights", str(e)))
     findings += check_target(config, target)
     findings += check_layers(target)
     if data is not None:
