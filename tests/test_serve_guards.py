@@ -188,12 +188,15 @@ def test_api_key_body_cap_and_strict_fields(tokenizer):
         chunked = httpx.post(f"{url}/v1/chat/completions", content=iter([json.dumps(big).encode()]),
                              headers={**good, "content-type": "application/json"})
         assert chunked.status_code == 413
-        for field, value in (("max_tokens", True), ("seed", 2 ** 70), ("n", True)):
+        # JSON types as OpenAI's API takes them: a string, a float or a word is not converted
+        for field, value in (("max_tokens", True), ("seed", 2 ** 70), ("n", True), ("temperature", "0.5"),
+                             ("stream", "yes"), ("max_tokens", 2.0), ("top_p", "1"), ("seed", 1.0)):
             r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, field: value}, headers=good)
-            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "seed": 2 ** 63},
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "seed": 2 ** 63,
+                                                            "temperature": 1, "top_p": 1, "stream": False},
                        headers=good, timeout=60)
-        assert r.status_code == 200
+        assert r.status_code == 200  # an integer is a number
 
 
 def test_tokenisation_does_not_block_the_event_loop(tokenizer):
@@ -337,6 +340,38 @@ def test_streamed_text_equals_decoding_the_whole_answer(tokenizer):
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+class Fixed:
+    """The token ids `ids` in one chunk, then the end."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def generate(self, input_ids, *, max_new_tokens, **_):
+        yield GenerationChunk(list(self.ids))
+        yield GenerationChunk([], "length", {})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_ending_inside_a_character_is_sent_as_the_tokenizer_decodes_it(tokenizer, stream):
+    """Byte tokens that never complete their character: the streamed text waits for more bytes, but
+    at the answer's end the text is what the tokenizer decodes (U+FFFD), never dropped."""
+    whole = tokenizer("ok 🙂🙂", add_special_tokens=False)["input_ids"]
+    ids = whole[:-1]  # the last emoji's bytes cut short
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected.endswith("\ufffd") and expected.startswith("ok 🙂")
+    app = build_app(served(tokenizer), BatchWorker(Fixed(ids)))
+    body = {"prompt": "hi", "max_tokens": len(ids), "stream": stream}
+    with serving(app) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events)
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == expected
+
+
 def test_speculative_options_without_a_drafter_are_refused_before_loading(capsys):
     """`--draft-tokens` and `--cost-aware` decide how a drafter drafts: without `--drafter` each
     is one line naming both, before any model loads; `--draft-tokens 0` is a usage error."""
@@ -471,6 +506,9 @@ def never_loaded(*_args, **_kw):
     (["--ddtree-budget", "8"], "--ddtree-budget needs --drafter DIR"),
     (["--acceptance", "match"], "--acceptance needs --drafter DIR"),
     (["--host", "192.0.2.1"], "--host 192.0.2.1 --port 0: cannot listen there (Cannot assign requested address)"),
+    (["--api-key", ""], "argument --api-key: expected a non-empty key (to serve without one, leave out --api-key "
+                        "and unset DFLASHKIT_API_KEY), got ''"),
+    (["--api-key", " "], "argument --api-key: expected a non-empty key"),
 ])
 def test_option_values_are_refused_before_anything_loads(argv, message, capsys, monkeypatch):
     from dflashkit import serve
@@ -483,6 +521,21 @@ def test_option_values_are_refused_before_anything_loads(argv, message, capsys, 
         code = e.code
     err = capsys.readouterr().err
     assert code == 1 and err.startswith(f"dflashkit serve: error: {message}") and err.count("\n") == 1, err
+
+
+def test_an_empty_api_key_is_refused_not_taken_as_none(tokenizer, capsys, monkeypatch):
+    """An empty key, given or in $DFLASHKIT_API_KEY, would turn authentication off: one line, before
+    anything loads; the app refuses one too."""
+    from dflashkit import serve
+    from dflashkit.cli import main
+
+    monkeypatch.setattr(serve, "EngineProcess", never_loaded)
+    monkeypatch.setenv("DFLASHKIT_API_KEY", "")
+    with pytest.raises(SystemExit, match="1"):
+        main(["serve", "--port", "0"])
+    assert "argument --api-key: expected a non-empty key" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="api_key: expected a non-empty key"):
+        build_app(served(tokenizer), BatchWorker(Endless()), api_key="")
 
 
 @pytest.mark.parametrize("host,key,warned", [("0.0.0.0", None, True), ("0.0.0.0", "k", False),

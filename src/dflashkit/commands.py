@@ -77,6 +77,13 @@ def http_url(text: str) -> str:
                     "an http:// or https:// URL such as http://127.0.0.1:8000/v1")
 
 
+def api_key(text: str) -> str:
+    """argparse type of `serve --api-key` (also applied to its default, $DFLASHKIT_API_KEY): a key
+    that is not blank, as a blank one would turn authentication off without a word."""
+    return _checked(text, str, lambda k: bool(k.strip()), "a non-empty key (to serve without one, leave out "
+                    "--api-key and unset DFLASHKIT_API_KEY)")
+
+
 def cosine(text: str) -> float:
     """argparse type of a cosine similarity in [-1, 1] (`--min-cosine`)."""
     return _checked(text, float, lambda x: -1 <= x <= 1, "a number in [-1, 1]")

@@ -111,25 +111,30 @@ def _put_all(pairs: list[tuple[_Job, Any]]) -> None:
         job.out.put_nowait(item)
 
 
-def text_so_far(tok: Any) -> Callable[[list[int]], str]:
+def text_so_far(tok: Any) -> Callable[[list[int], bool], str]:
     """Detokenise a growing answer: each call takes the new token ids and returns the whole text so
     far. With a fast tokenizer through `tokenizers`' DecodeStream (work per new token, where
     decoding the whole answer again at every chunk is quadratic in its length); else by decoding
-    all ids again."""
+    all ids again. DecodeStream holds back the bytes of a character not yet complete, waiting for
+    the tokens that finish it; the answer's last call (`final`) returns what the tokenizer decodes
+    of all its ids, those bytes included (U+FFFD where no token completes them)."""
+    ids: list[int] = []
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         from tokenizers.decoders import DecodeStream
 
         stream, pieces = DecodeStream(skip_special_tokens=True), []
 
-        def step(new: list[int]) -> str:
+        def step(new: list[int], final: bool = False) -> str:
+            ids.extend(new)
+            if final:
+                return tok.decode(ids, skip_special_tokens=True)
             pieces.extend(p for p in (stream.step(backend, t) for t in new) if p is not None)
             return "".join(pieces)
 
         return step
-    ids: list[int] = []
 
-    def again(new: list[int]) -> str:
+    def again(new: list[int], final: bool = False) -> str:
         ids.extend(new)
         return tok.decode(ids, skip_special_tokens=True)
 
@@ -522,7 +527,9 @@ class APIError(Exception):
 
 class _Common(BaseModel):
     # extra="allow": clients send fields we accept and ignore (user, ...); numbers must be finite.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # strict: JSON types as OpenAI's API takes them ("temperature": "0.5", "stream": "yes" and
+    # "max_tokens": 2.0 are refused, not converted); an integer is still a number.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     model: str | None = None
     max_tokens: Int | None = Field(None, ge=1)
     temperature: Float = Field(1.0, ge=0.0, le=2.0)
@@ -615,7 +622,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"] != "/health":
+        if self.api_key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return await _send_json(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer "
@@ -923,7 +930,7 @@ async def _texts(reply: _Reply, holdback: bool) -> AsyncIterator[tuple[str, str 
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", kind="server_error")
             new, finish, stats = _merge_queued(job, item, held)
             generated += len(new)
-            text = detokenize([t for t in new if t not in stop_ids])
+            text = detokenize([t for t in new if t not in stop_ids], finish is not None)
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 job.cancel()
@@ -955,6 +962,8 @@ def build_app(served: Served, engine: BatchWorker | EngineProcess, *, fail_every
     except ImportError as e:  # name what failed: an installed fastapi can miss a dependency of its own
         raise RuntimeError(f"the server needs fastapi and uvicorn: pip install 'dflashkit[serve]' ({e})") from None
 
+    if api_key is not None and not api_key.strip():  # a blank key would let every request through
+        raise ValueError("api_key: expected a non-empty key, or None for a server without one")
     app = FastAPI(title="dflashkit", version="1", lifespan=_lifespan)
     app.state.dflashkit = ServerState(served, engine, fail_every)
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body_bytes)
@@ -1006,8 +1015,8 @@ def subprocess_server(cmd: list[str], env: dict[str, str] | None = None, timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflashkit.commands import (DRAFT_TOKENS_HELP, add_config_options, non_negative_float, non_negative_int,
-                                    port_number, positive_float, positive_int)
+    from dflashkit.commands import (DRAFT_TOKENS_HELP, add_config_options, api_key, non_negative_float,
+                                    non_negative_int, port_number, positive_float, positive_int)
 
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=port_number, default=8000, help="0 = any free port (the chosen one is printed)")
@@ -1044,7 +1053,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "packed weights on a CPU), else Transformers")
     p.add_argument("--max-queue", type=non_negative_int, default=64, metavar="N",
                    help="requests that may wait for the engine; beyond, HTTP 503 with Retry-After (0 = no limit)")
-    p.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", type=api_key, default=os.environ.get("DFLASHKIT_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $DFLASHKIT_API_KEY)")
     p.add_argument("--max-body-mb", type=positive_float, default=8.0, metavar="MB",
                    help="request body limit (HTTP 413 beyond)")
@@ -1109,7 +1118,7 @@ def run(args: argparse.Namespace) -> int:
         engine = EngineProcess(functools.partial(load_for_serving, args, cfg), args.max_batch, args.max_queue,
                                admission)
         try:
-            app = build_app(engine.served, engine, fail_every=args.fail_every, api_key=args.api_key or None,
+            app = build_app(engine.served, engine, fail_every=args.fail_every, api_key=args.api_key,
                             max_body_bytes=max(1, int(args.max_body_mb * 2**20)))
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                    timeout_graceful_shutdown=args.shutdown_timeout))
