@@ -92,6 +92,8 @@ def test_cli_version_names_the_stack(capsys):
     ("train.tensorboard=1", r"field 'train.tensorboard'.*valid boolean"),
     ("data.seed=1180591620717411303424", r"field 'data.seed'.*less than or equal"),
     ("drafter.target_layer_ids=[1,-2]", r"field 'drafter.target_layer_ids.1'.*greater than or equal to 0"),
+    ("drafter.target_layer_ids=[1,1]", r"field 'drafter.target_layer_ids'.*\[1, 1\] taps a layer twice; expected "
+                                       r"distinct layers"),
 ])
 def test_numbers_are_strict(override, match):
     with pytest.raises(ConfigError, match=match):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator,
+                      model_validator)
 
 from dflashkit.method import TOP_K
 
@@ -77,6 +78,14 @@ class DrafterSettings(_Section):
     confidence_head_with_markov: Bool = Field(True, description="dspark: the confidence head also reads the Markov embedding")
     sample_from_anchor: Bool | None = Field(None, description="anchor-first layout (slot 0 drafts too); None = "
                                             "true for dspark, false otherwise")
+
+    @field_validator("target_layer_ids")
+    @classmethod
+    def _distinct_taps(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ValueError(f"{ids} taps a layer twice; expected distinct layers (a tap repeated gives the drafter "
+                             "the same features twice)")
+        return ids
 
     @model_validator(mode="after")
     def _sliding_needs_window(self) -> "DrafterSettings":
