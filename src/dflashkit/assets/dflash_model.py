@@ -13,7 +13,8 @@ Semantics (the same as dflashkit's drafter):
 * Context = RMSNorm(fc(concat of the tapped target layers)); tap `k` is the *output* of target
   decoder layer `k`, i.e. `output_hidden_states[k + 1]`.
 * Block = `[anchor token, MASK x (block_size - 1)]`, embedded with the target's embedding; the
-  anchor keeps its own position, slot `k` sits at `anchor + k` and predicts that position's token.
+  anchor keeps its own position, slot `k` sits at `anchor + k` and predicts that position's token
+  (anchor-first, `dflash_config.sample_from_anchor`: the token after it, slot 0 included).
 * Queries come from the block only; keys/values are `[context ; block]`. A block query sees every
   context token given (all of them precede the anchor) and every slot of its block
   (bidirectional); a `sliding_attention` layer sees only context positions `>= anchor - window`.
