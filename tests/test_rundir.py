@@ -129,3 +129,42 @@ def test_a_file_where_an_output_directory_goes_is_one_line(tmp_path):
         with pytest.raises(ValueError, match=r"afile: expected a directory \(or none yet\), but it or a folder above it is a file"):
             with held:
                 pass
+
+
+def test_a_refused_run_leaves_the_lock_naming_the_run_it_was_refused_by(tmp_path):
+    """A fresh run into a directory that holds an earlier run is refused, and the lock file goes on
+    naming that run; one that did run names itself. A link where the lock goes is refused, and what
+    it points to is left as it was."""
+    out = tmp_path / "run"
+    run_job(str(out), STEPS)
+    earlier = "`dflashkit train` (pid 4242)\n"
+    (out / ".lock").write_text(earlier)  # the run that wrote the directory, as another process
+    with pytest.raises(ValueError, match="holds an earlier run"):
+        run_job(str(out), STEPS)
+    assert (out / ".lock").read_text() == earlier
+    with output_directory(out, "eval"):
+        pass
+    assert (out / ".lock").read_text() == f"`dflashkit eval` (pid {os.getpid()})\n"
+
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    (linked / ".lock").symlink_to(precious)
+    with pytest.raises(ValueError, match=r"linked/\.lock: a symbolic link where dflashkit's lock file goes"):
+        with output_directory(linked, "train"):
+            pass
+    assert precious.read_text() == "mine\n"
+
+
+def test_auto_resume_without_a_checkpoint_names_itself_when_it_starts_afresh(tmp_path, caplog):
+    """--auto-resume over a run that saved no checkpoint starts afresh; the log says that
+    --auto-resume removed the earlier run's files, not --overwrite, which was never given."""
+    out = tmp_path / "run"
+    with output_directory(out, "train") as owned:  # what a run stopped before its first step leaves
+        owned.record(["config.yaml"])
+        (out / "config.yaml").write_text("# an earlier run\n")
+    with caplog.at_level("WARNING", logger="dflashkit.train"):
+        run_job(str(out), STEPS, auto_resume=True)
+    assert "--auto-resume: removing the earlier run in" in caplog.text and "--overwrite" not in caplog.text
+    assert (out / "final" / "model.safetensors").is_file()

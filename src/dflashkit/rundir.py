@@ -10,6 +10,7 @@ it (`output_path`).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dflashkit.checkpoint import atomic_write_json, remove_stale_temp_files, temp_path
 
@@ -95,20 +96,38 @@ def _read_manifest(path: Path) -> set[str]:
 @contextmanager
 def hold_lock(lock_path: Path, command: str, what: str) -> Iterator[None]:
     """Hold `lock_path` (flock) while the block runs; the file says who holds it, for the message
-    a second run gets at once."""
-    with open(lock_path, "a+", encoding="utf-8") as lock:
+    a second run gets at once. A run refused for its input (a ValueError: a directory holding an
+    earlier run, features of other settings) puts back what the file said before: it did nothing
+    there, and the file goes on naming the run it was refused by. A link in the lock's place is
+    refused, never written through."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ValueError(f"{lock_path}: a symbolic link where dflashkit's lock file goes; remove it (a lock is "
+                         "never written through a link)") from None
+    with open(fd, "r+", encoding="utf-8") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lock.seek(0)
             holder = lock.read().strip() or "another run"
             raise RuntimeError(f"{what} is in use by {holder} (it holds {lock_path}); wait for it to finish or "
                                "write elsewhere") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"`dflashkit {command}` (pid {os.getpid()})\n")
-        lock.flush()
-        yield
+        before = lock.read()
+        _name_holder(lock, f"`dflashkit {command}` (pid {os.getpid()})\n")
+        try:
+            yield
+        except ValueError:
+            _name_holder(lock, before)
+            raise
+
+
+def _name_holder(lock: TextIO, text: str) -> None:
+    lock.seek(0)
+    lock.truncate()
+    lock.write(text)
+    lock.flush()
 
 
 @contextmanager

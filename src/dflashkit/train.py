@@ -671,10 +671,11 @@ def stop_requested(got: list[int], d: Dist) -> int:
 
 
 @contextmanager
-def run_directory(out_dir: Path, *, resume: bool, overwrite: bool, main: bool) -> Iterator[None]:
+def run_directory(out_dir: Path, *, resume: bool, overwrite: str | None, main: bool) -> Iterator[None]:
     """Hold the output directory for the run (`rundir.output_directory`: a second run into it fails
     at once; temp files of killed runs go) and refuse to start afresh over an earlier run's files
-    unless asked: `overwrite` removes those that dflashkit wrote, never a file of the user's."""
+    unless asked: `overwrite`, the option that asks (--overwrite, or --auto-resume where no
+    checkpoint was saved), removes those that dflashkit wrote, never a file of the user's."""
     if not main:
         yield
         return
@@ -683,8 +684,8 @@ def run_directory(out_dir: Path, *, resume: bool, overwrite: bool, main: bool) -
         if used and not resume:
             if not overwrite:
                 raise ValueError(earlier_run(out_dir, used))
-            log.warning("--overwrite: removing the earlier run in %s (%s)", out_dir, ", ".join(used))
-            owned.remove(used)
+            log.warning("%s: removing the earlier run in %s (%s)", overwrite, out_dir, ", ".join(used))
+            owned.remove(used, option=overwrite)
         owned.record(RUN_FILES)
         yield
 
@@ -914,15 +915,16 @@ def train(cfg, *, target: Any = None, samples: Sequence[Any] | None = None,
     when there is one, else start afresh (replacing what a run that saved no checkpoint left)."""
     from dflashkit.commands import resolve_device
 
+    fresh = "--overwrite" if overwrite else None  # the option that lets this run replace an earlier one
     if auto_resume:
         if resume or overwrite:
             raise ValueError("--auto-resume decides between resuming and starting afresh itself: "
                              "give it without --resume, --resume-from or --overwrite")
-        resume, overwrite = (True, False) if (Path(cfg.train.output_dir) / "latest.json").is_file() else (None, True)
+        resume, fresh = (True, None) if (Path(cfg.train.output_dir) / "latest.json").is_file() else (None, "--auto-resume")
     t_begin = time.perf_counter()
     want = torch.device(resolve_device(cfg.target.device))
     d = init_distributed(want.type == "cuda", cfg.train.dist_timeout)
-    with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=overwrite, main=d.main), \
+    with run_directory(Path(cfg.train.output_dir), resume=bool(resume), overwrite=fresh, main=d.main), \
             stop_signals() as stop:
         return _train(cfg, d, want, t_begin, target, samples, feature_layer_ids, resume, probes or {}, stop)
 
