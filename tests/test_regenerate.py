@@ -254,6 +254,45 @@ def test_resume_refuses_answers_of_another_prompt_text_or_target(tiny_dir, tmp_p
         tokenize_file(out, tok, tmp_path / "tok.jsonl", max_length=256)
 
 
+def test_out_is_never_a_link_nor_a_file_of_another_kind_with_or_without_overwrite(tiny_dir, tmp_path, capsys):
+    """--out naming a link, or a file that is not regenerate's output (notes, the prompt file, a
+    last line without its newline), is refused in one line, with or without --overwrite, and the
+    file is left byte for byte; --overwrite empties regenerate's own output, a torn record and all."""
+    from dflashkit.data.regenerate import AnswerKey, open_output
+
+    key = AnswerKey(GenerationParams(), {}, {})
+    notes, tail = tmp_path / "notes.txt", tmp_path / "tail.txt"
+    notes.write_text("my notes\n")
+    tail.write_text("no newline at the end")  # not a record that a kill cut short
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(notes)
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=r"link\.jsonl: a symbolic link; regenerate writes its output file itself"):
+            with open_output(link, key, overwrite=overwrite):
+                pass
+        for path in (notes, tail):
+            with pytest.raises(ValueError, match=rf"{path}:1: not a regenerate record"):
+                with open_output(path, key, overwrite=overwrite):
+                    pass
+    assert notes.read_text() == "my notes\n" and tail.read_text() == "no newline at the end"
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Say hi."}) + "\n")
+    args = ["regenerate", f"data.prompts={prompts}", "data.max_new_tokens=2", "target.device=cpu",
+            f"target.path={tiny_dir}"]
+    assert cli_main([*args, "--out", str(prompts), "--overwrite"]) == 1  # the input given as the output
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflashkit")]
+    assert len(err) == 1 and f"{prompts}:1: not a regenerate record" in err[0], err
+    assert prompts.read_text() == json.dumps({"id": "a", "prompt": "Say hi."}) + "\n"
+
+    out = tmp_path / "o.jsonl"
+    assert cli_main([*args, "--out", str(out)]) == 0
+    with open(out, "ab") as f:
+        f.write(b'{"id": "b", "messa')  # a record a kill cut short
+    assert cli_main([*args, "--out", str(out), "--overwrite"]) == 0
+    assert "1 answers written, 0 already there" in capsys.readouterr().out and list(records(out)) == ["a"]
+
+
 def test_a_lone_surrogate_in_a_prompt_is_a_malformed_record(tiny_dir, tmp_path, capsys):
     """JSON's "\\ud800" escape is no Unicode text: the record is skipped and named (file, line, field,
     character), the other prompts are answered (before: an internal error in the tokenizer)."""

@@ -11,7 +11,8 @@ token ids, stop token included) from the local back-end, which `tokenize` uses i
 re-encoding the answer. A re-run skips the answers already there, each keyed on its prompt's text
 (`prompt_sha256`), the target's identity (`target`) and the generation settings (`params`): an
 answer of another prompt text, target or setting is refused (`--overwrite` starts afresh). A line
-cut by a kill is dropped and redone. Every answer is decoded from its own prompt and its own
+cut by a kill is dropped and redone. A file that is not such an output (a line that is not a
+record), or a link, is refused as it is, never appended to, cut or emptied. Every answer is decoded from its own prompt and its own
 random stream (seeded by the id), so an interrupted run writes exactly what an uninterrupted one
 writes, greedy or sampled.
 """
@@ -19,6 +20,7 @@ writes, greedy or sampled.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import hashlib
 import json
@@ -32,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import torch
 
@@ -146,6 +148,41 @@ class AnswerKey:
         return None
 
 
+# How `_write` begins every record: a last line a kill cut short begins so too.
+RECORD_START = b'{"id": '
+
+
+def _is_record(line: bytes, cut_short: bool) -> bool:
+    """Whether `line` is a record of regenerate's output (`cut_short`: the last line, without its
+    newline, which may be one that a kill cut)."""
+    try:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return cut_short and (line.startswith(RECORD_START) or RECORD_START.startswith(line))
+    return isinstance(rec, dict) and isinstance(rec.get("id"), str) and {"messages", "params"} <= rec.keys()
+
+
+def _check_own(f: BinaryIO, path: Path) -> None:
+    """Refuse a file that is not regenerate's output before anything in it is cut or emptied."""
+    f.seek(0)
+    for lineno, line in enumerate(f, 1):
+        if line.strip() and not _is_record(line, cut_short=not line.endswith(b"\n")):
+            raise ValueError(f"{path}:{lineno}: not a regenerate record (expected JSON with 'id', 'messages' and "
+                             "'params'), so the file is not this command's output, which regenerate appends to "
+                             "and --overwrite empties: write to another --out, or fix or remove the line")
+
+
+def _open_no_link(path: Path) -> int:
+    """The file's descriptor for reading and appending, created if missing; a link is refused."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ValueError(f"{path}: a symbolic link; regenerate writes its output file itself, never through a link: "
+                         "give the path it points to, or another --out") from None
+
+
 @contextmanager
 def open_output(path: str | Path, key: AnswerKey, *, overwrite: bool = False) -> Iterator[tuple[TextIO, set[str]]]:
     """Open the JSONL for appending; yield it and the ids already answered.
@@ -153,26 +190,24 @@ def open_output(path: str | Path, key: AnswerKey, *, overwrite: bool = False) ->
     An incomplete last line (a kill during a write) is cut off. The file is locked: two runs
     appending to it at once would duplicate work. A line written for another prompt text, by
     another target or with other generation parameters is an error: one file, one recipe
-    (`overwrite` empties the file instead)."""
+    (`overwrite` empties the file instead). A file that is not regenerate's output, or a link, is
+    refused, with or without `overwrite`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
+    with open(_open_no_link(path), "a+b") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"{path} is being written by another `regenerate` run") from None
+        _check_own(f, path)
         if overwrite:
             f.truncate(0)
         done: set[str] = set()
         for lineno, line in complete_lines(f, path):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-                done.add(rec["id"])
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path}:{lineno}: not a regenerate record (expected JSON with an 'id'); "
-                                 "fix or remove the line, or write to another file") from None
+            rec = json.loads(line)
+            done.add(rec["id"])
             why = key.mismatch(rec)
             if why:
                 raise ValueError(f"{path}:{lineno}: {why}; start afresh with --overwrite, or write to another --out")
