@@ -35,19 +35,19 @@ def _inside_step(rank: int, at: int, act: Callable[[], Any]) -> None:
 
 
 def _inside_save(at: int) -> None:
-    """Rank 0 dies (as by kill -9) while it writes the checkpoint of step `at`: its weights are
-    written, its training state not."""
+    """Rank 0 dies (as by kill -9) while it completes the checkpoint of step `at`: every rank's
+    shards are written, its training state not."""
     from dflashkit import train as train_mod
     from dflashkit.checkpoint import FAULT_ENV
 
-    real = train_mod.save_checkpoint
+    real = train_mod.publish_checkpoint
 
     def save(out_dir, step, *a, **k):
         if step == at:
             os.environ[FAULT_ENV] = "replace training_state.pt"
         return real(out_dir, step, *a, **k)
 
-    train_mod.save_checkpoint = save
+    train_mod.publish_checkpoint = save
 
 
 def arm(fault: str) -> None:

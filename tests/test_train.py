@@ -78,9 +78,17 @@ def test_two_gloo_processes_match_one_and_resume_onto_fsdp(tmp_path):
     assert sorted(got) == [3, 4]
     assert got == pytest.approx({k: ref[k] for k in (3, 4)}, rel=1e-5)
     a = load_training_state(one / "checkpoints" / "step-00000004")["params"]
-    b = load_training_state(tmp_path / "fsdp" / "checkpoints" / "step-00000004")["params"]
+    b = load_drafter(tmp_path / "fsdp" / "final").state_dict()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    # Checkpoints of several ranks are sharded (each rank wrote its part; sums of every shard), and
+    # resume on another number of processes: the 2 ranks' step 2 in one process, same losses after.
+    shards = tmp_path / "ddp" / "checkpoints" / "step-00000002"
+    assert "params" not in load_training_state(shards) and (shards / "state" / ".metadata").is_file()
+    sums = (shards / "state" / "SHA256SUMS").read_text()
+    assert "__0_0.distcp" in sums and "__1_0.distcp" in sums and ".metadata" in sums
+    run_job(str(tmp_path / "two-to-one"), [], str(shards))
+    assert losses(tmp_path / "two-to-one") == pytest.approx({k: ref[k] for k in (3, 4)}, rel=1e-5)
 
 
 def test_offline_feature_cache_trains_like_online_features(tmp_path):

@@ -30,6 +30,7 @@ from dflashkit.drafter import DFlashDrafter, DrafterConfig
 log = logging.getLogger(__name__)
 
 CONFIG, WEIGHTS, TRAINING_STATE, SUMS = "config.json", "model.safetensors", "training_state.pt", "SHA256SUMS"
+SHARDED_STATE = "state"  # a checkpoint's directory of weight and optimiser shards (shardstate.py)
 
 
 class CheckpointError(ValueError):
@@ -486,11 +487,14 @@ def load_training_state(path: str | Path) -> dict[str, Any] | None:
     except Exception as e:  # a damaged archive fails in many ways (UnpicklingError, OSError from a seek, ...)
         raise CheckpointError(f"{f}: not a training state this tool can load safely (tensors and plain data only): "
                               f"{refusal_reason(e)}") from None
-    missing = [k for k in TRAINING_STATE_VALUES if not isinstance(state, dict) or k not in state]
+    # A sharded state (several ranks) keeps the weights and moments in its shards, not here.
+    sharded = isinstance(state, dict) and state.get("sharded") == SHARDED_STATE
+    values = {k: v for k, v in TRAINING_STATE_VALUES.items() if not (sharded and k in ("params", "optimizer"))}
+    missing = [k for k in values if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{f}: malformed training state, missing {', '.join(missing)}; "
                               "it was not written by `dflashkit train` or is damaged")
-    bad = [f"'{k}': expected {what}" for k, (ok, what) in TRAINING_STATE_VALUES.items() if not ok(state[k])]
+    bad = [f"'{k}': expected {what}" for k, (ok, what) in values.items() if not ok(state[k])]
     if not bad and state["step"] > state["total_steps"]:
         bad.append(f"'step': {state['step']} is past total_steps {state['total_steps']}")
     if bad:

@@ -46,11 +46,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils import get_total_norm
 
-from dflashkit.checkpoint import (atomic_write_bytes, atomic_write_json, complete_lines, load_drafter,
+from dflashkit.checkpoint import (CONFIG, SHARDED_STATE, TRAINING_STATE, WEIGHTS, atomic_save, atomic_write_bytes,
+                                  atomic_write_json, complete_lines, load_config, load_drafter, sha256_file,
                                   load_training_state, save_drafter, target_problems, temp_path)
 from dflashkit import versions
 from dflashkit.config import TrainConfig, dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow, upgraded
+from dflashkit import shardstate
 from dflashkit.jobgroup import Heartbeat, join_job
 from dflashkit.optim import HostAdamW
 from dflashkit.objective import (CALIBRATION_BINS, LossSettings, MicroBatch, add_feature_noise, anchor_runs,
@@ -557,10 +559,29 @@ class Trainer:
             if st:
                 sd["state"][i] = {k: (like(v, m) if torch.is_tensor(v) and v.dim() else v) for k, v in st.items()}
         self.optimizer.load_state_dict(sd)
-        self.scheduler.load_state_dict(state["scheduler"])
+        self._loaded(state["scheduler"])
+
+    def _loaded(self, scheduler: dict[str, Any]) -> None:
+        """The schedule restored and the loaded master weights put in the model."""
+        self.scheduler.load_state_dict(scheduler)
         for g, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             g["lr"] = lr
         self._master_to_model()
+
+    def sharded(self) -> bool:
+        """Checkpoints in shards (`shardstate`): several ranks, AdamW state on the device."""
+        return self.d.world > 1 and not self.host_state
+
+    def shard_state(self) -> dict[str, Any]:
+        return shardstate.tensors(self.names, self.master, self.optimizer)
+
+    @torch.no_grad()
+    def load_shards(self, directory: Path, scheduler: dict[str, Any]) -> None:
+        """Weights and AdamW state from a sharded checkpoint's `directory`, written by any number of ranks."""
+        shardstate.load(self.shard_state(), directory)
+        # A round trip puts each state tensor where this optimiser keeps it (a fused one: on the device).
+        self.optimizer.load_state_dict(self.optimizer.state_dict())
+        self._loaded(scheduler)
 
 
 def _full(t: Tensor) -> Tensor:
@@ -580,10 +601,21 @@ def export_drafter(config: DrafterConfig, params: dict[str, Tensor], dtype: torc
 
 
 def save_checkpoint(out_dir: Path, step: int, drafter: DFlashDrafter, training_state: dict[str, Any], keep_last: int) -> Path:
-    ckpts = out_dir / "checkpoints"
+    return publish_checkpoint(out_dir, step, lambda p: save_drafter(drafter, p, training_state=training_state),
+                              keep_last)
+
+
+def step_dir(out_dir: Path, step: int) -> Path:
+    return out_dir / "checkpoints" / f"step-{step:08d}"
+
+
+def publish_checkpoint(out_dir: Path, step: int, write: Callable[[Path], Any], keep_last: int) -> Path:
+    """`write(directory)` fills the checkpoint of step `step` under a temporary name, which is then
+    renamed into place; latest.json names it, and the oldest beyond `keep_last` go."""
+    final = step_dir(out_dir, step)
+    ckpts = final.parent
     ckpts.mkdir(parents=True, exist_ok=True)
-    final = ckpts / f"step-{step:08d}"
-    replace_dir(final, lambda p: save_drafter(drafter, p, training_state=training_state))
+    replace_dir(final, write)
     atomic_write_json(out_dir / "latest.json", {"step": step, "checkpoint": str(final.relative_to(out_dir))})
     # By step number, the one just written (what latest.json names) always kept.
     others = sorted((p for p in ckpts.glob("step-*") if p != final and _step_of(p) is not None), key=_step_of)
@@ -965,8 +997,14 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
 
 
 def _new_or_loaded_drafter(cfg, target: Any, resume_dir: Path | None) -> DFlashDrafter:
-    if resume_dir is not None:
+    if resume_dir is not None and (resume_dir / WEIGHTS).is_file():
         return load_drafter(resume_dir, target)
+    if resume_dir is not None:  # a sharded checkpoint: the weights come from its shards (`_resume`)
+        drafter = DFlashDrafter(load_config(resume_dir))
+        problems = target_problems(drafter.config, target)
+        if problems:
+            raise ValueError(f"{resume_dir}: does not fit target {target.name}: " + "; ".join(problems))
+        return drafter
     if cfg.drafter.init_from:
         drafter = load_drafter(cfg.drafter.init_from, target)
         drafter = grow(drafter, cfg.drafter.grow_layers) if cfg.drafter.grow_layers else drafter
@@ -1074,7 +1112,10 @@ def _resume(cfg, trainer: Trainer, resume_dir: Path, total: int, num_train: int,
     if changed:
         raise ValueError(f"--resume: {resume_dir} was trained with another {' and '.join(changed)} than this run's; "
                          "resume with the same ones, or start afresh with --overwrite")
-    trainer.load_state_dict(state)
+    if state.get("sharded") == SHARDED_STATE:
+        trainer.load_shards(resume_dir / SHARDED_STATE, state["scheduler"])
+    else:
+        trainer.load_state_dict(state)
     _set_rng_state(state["rng"])
     if d.main:
         log.info("resumed from %s at step %d", resume_dir, state["step"])
@@ -1084,19 +1125,63 @@ def _resume(cfg, trainer: Trainer, resume_dir: Path, total: int, num_train: int,
     return state["step"], state["best"], total
 
 
+def _state_fields(run: Run, step: int) -> dict[str, Any]:
+    """What a training state holds besides the weights and the optimiser's moments."""
+    tc = run.cfg.train
+    return {"version": STATE_VERSION, "step": step, "total_steps": run.total, "batch_size": tc.batch_size,
+            "num_train": len(run.train_idx), "world_size": run.d.world, "best": run.best, "rng": _rng_state(),
+            "config": run.cfg.model_dump(), **run.identity}
+
+
 def _checkpoint(run: Run, step: int) -> None:
     t0 = time.perf_counter()
+    if run.trainer.sharded():
+        return _sharded_checkpoint(run, step, t0)
     tc, full = run.cfg.train, run.trainer.state_dict()
     check_finite(step, {}, full["params"])
     if run.d.main:
-        state = {"version": STATE_VERSION, "step": step, "total_steps": run.total, "batch_size": tc.batch_size,
-                 "num_train": len(run.train_idx), "world_size": run.d.world, "best": run.best, "rng": _rng_state(),
-                 "config": run.cfg.model_dump(), **run.identity, **full}
+        state = {**_state_fields(run, step), **full}
         t1 = time.perf_counter()
         path = save_checkpoint(run.out_dir, step, export_drafter(run.dcfg, full["params"], run.dtype), state,
                                tc.keep_last)
         log.info("checkpoint %s saved in %.2f s (%.2f s gathering the state, %.2f s writing)", path,
                  time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)
+
+
+def _sharded_checkpoint(run: Run, step: int, t0: float) -> None:
+    """Each rank writes its shards of the weights and moments into the checkpoint's temporary
+    directory (`shardstate.save`); rank 0 adds the config and the rest of the training state and
+    renames it into place. Nothing is gathered on one rank."""
+    _check_shards_finite(run, step)
+    where: list[Any] = [str(temp_path(step_dir(run.out_dir, step))) if run.d.main else None]
+    dist.broadcast_object_list(where, 0)
+    shards = Path(where[0])
+    shardstate.save(run.trainer.shard_state(), shards / SHARDED_STATE)
+    if not run.d.main:
+        return
+    t1 = time.perf_counter()
+    state = {**_state_fields(run, step), "scheduler": run.trainer.scheduler.state_dict(), "sharded": SHARDED_STATE}
+
+    def complete(p: Path) -> None:
+        os.replace(shards, p)
+        atomic_write_json(p / CONFIG, run.dcfg.to_json_dict())
+        atomic_save(lambda tmp: torch.save(state, tmp), p / TRAINING_STATE)
+        names = [CONFIG, TRAINING_STATE, f"{SHARDED_STATE}/SHA256SUMS"]  # the shards' sums cover the shards
+        atomic_write_bytes(p / "SHA256SUMS", "".join(f"{sha256_file(p / n)}  {n}\n" for n in sorted(names)).encode())
+
+    path = publish_checkpoint(run.out_dir, step, complete, run.cfg.train.keep_last)
+    log.info("checkpoint %s saved in %.2f s (%d ranks writing their shards %.2f s, rank 0 the rest %.2f s)", path,
+             time.perf_counter() - t0, run.d.world, t1 - t0, time.perf_counter() - t1)
+
+
+def _check_shards_finite(run: Run, step: int) -> None:
+    """`check_finite` of the weights, each rank looking at its own shards."""
+    local = [m.to_local() if hasattr(m, "to_local") else m for m in run.trainer.master]
+    bad = _rank_tensor(0).repeat(len(local)).float()
+    for i, m in enumerate(local):
+        bad[i] = float(not bool(torch.isfinite(m).all()))
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    check_finite(step, {}, {n: torch.tensor(float("nan") if b else 0.0) for n, b in zip(run.trainer.names, bad.tolist())})
 
 
 def _save_drafter_dir(run: Run, name: str, params: dict[str, Tensor]) -> None:
