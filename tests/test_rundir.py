@@ -14,6 +14,8 @@ import torch
 from datahelpers import save_tiny_target
 from dflashkit.checkpoint import temp_path
 from dflashkit.cli import main as cli_main
+from dflashkit.data.chat import is_tokenized_file
+from dflashkit.export import is_export_dir
 from dflashkit.rundir import MANIFEST, output_directory, output_path, replace_dir
 from train_job import run_job
 
@@ -70,9 +72,11 @@ def test_a_second_run_into_a_held_output_fails_at_once_naming_the_holder(tiny_da
         held, argv = output_directory(out, "extract"), ["--input", str(root / "tok.jsonl"), "--out", str(out)]
     elif command == "tokenize":
         out = tmp_path / "tok.jsonl"
-        held, argv = output_path(out, "tokenize"), ["--input", str(root / "answers.jsonl"), "--out", str(out)]
+        held = output_path(out, "tokenize", is_tokenized_file, "a tokenized file")
+        argv = ["--input", str(root / "answers.jsonl"), "--out", str(out)]
     else:
-        held, argv, overrides = output_path(out, "export"), [str(_bundled()), "--out", str(out)], []
+        held = output_path(out, "export", is_export_dir, "a drafter directory")
+        argv, overrides = [str(_bundled()), "--out", str(out)], []
     with held:
         rc = cli_main([command, *argv, *overrides])
     err = capsys.readouterr().err
@@ -125,7 +129,8 @@ def test_a_malformed_manifest_is_one_line_naming_it(tmp_path):
 
 def test_a_file_where_an_output_directory_goes_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
-    for held in (output_directory(tmp_path / "afile", "extract"), output_path(tmp_path / "afile" / "x.jsonl", "tokenize")):
+    for held in (output_directory(tmp_path / "afile", "extract"),
+                 output_path(tmp_path / "afile" / "x.jsonl", "tokenize", is_tokenized_file, "a tokenized file")):
         with pytest.raises(ValueError, match=r"afile: expected a directory \(or none yet\), but it or a folder above it is a file"):
             with held:
                 pass
@@ -168,3 +173,43 @@ def test_auto_resume_without_a_checkpoint_names_itself_when_it_starts_afresh(tmp
         run_job(str(out), STEPS, auto_resume=True)
     assert "--auto-resume: removing the earlier run in" in caplog.text and "--overwrite" not in caplog.text
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def _refused(argv: list[str], capsys, what: str) -> None:
+    assert cli_main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflashkit")]
+    assert len(err) == 1 and what in err[0] and "replaces only its own earlier output" in err[0], err
+
+
+def test_a_handed_on_output_replaces_only_an_earlier_output_of_its_command(tiny_data, tmp_path, capsys):
+    """tokenize --out the conversations it reads, export --out a model's directory, check-features
+    --json a file of the user's: one line each, exit 1, before any work, everything left byte for
+    byte; an earlier output of the same command is replaced."""
+    import shutil
+
+    model, root = tiny_data
+    answers = tmp_path / "answers.jsonl"
+    shutil.copy(root / "answers.jsonl", answers)
+    before = answers.read_bytes()
+    _refused(["tokenize", "--input", str(answers), "--out", str(answers), f"target.path={model}"], capsys,
+             f"{answers}: not a tokenized file")
+    assert answers.read_bytes() == before
+    out = tmp_path / "tok.jsonl"
+    for _ in range(2):  # its own output, replaced
+        assert cli_main(["tokenize", "--input", str(answers), "--out", str(out), f"target.path={model}"]) == 0
+    capsys.readouterr()
+
+    target = tmp_path / "target"
+    shutil.copytree(model, target)
+    files = {p.name: p.read_bytes() for p in target.iterdir()}
+    _refused(["export", str(_bundled()), "--out", str(target)], capsys, f"{target}: not a drafter directory")
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == files
+    for _ in range(2):
+        assert cli_main(["export", str(_bundled()), "--out", str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}\n')
+    _refused(["check-features", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(notes)], capsys,
+             f"{notes}: not a check-features report")
+    assert notes.read_text() == '{"mine": true}\n'

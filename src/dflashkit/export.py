@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.checkpoint import (CONFIG, WEIGHTS, CheckpointError, atomic_save, atomic_write_bytes,
+from dflashkit.checkpoint import (CONFIG, SUMS, WEIGHTS, CheckpointError, atomic_save, atomic_write_bytes,
                                   atomic_write_json, check_tensors, load_drafter, save_drafter)
 from dflashkit.drafter import SLIDING, WRITTEN, DFlashDrafter, DrafterConfig
 from dflashkit.rundir import output_path
@@ -216,6 +216,23 @@ def export(drafter: DFlashDrafter, out: str | Path, fmt: str, **kw: Any) -> Path
 # ---- CLI ----------------------------------------------------------------------------------------
 
 
+def is_export_dir(path: Path) -> bool:
+    """Whether export may write into `path`: a directory holding nothing but the files it writes,
+    a config.json among them only if a drafter's (reference or speculators), never a model's."""
+    if not path.is_dir():
+        return False
+    names = {p.name for p in path.iterdir() if not p.name.startswith(".")}
+    if not names <= {CONFIG, WEIGHTS, REMOTE_CODE, SUMS}:
+        return False
+    if CONFIG not in names:
+        return True
+    try:
+        raw = json.loads((path / CONFIG).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(raw, dict) and ("dflash_config" in raw or "speculators_model_type" in raw)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("drafter", metavar="DRAFTER", help="reference-format drafter directory (e.g. a training output)")
     p.add_argument("--format", choices=FORMATS, default="reference",
@@ -240,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
                         "`vllm serve TARGET --speculative-config '{\"method\": \"dflash\", \"model\": \"%s\", ...}'`", out)
     elif args.verifier is not None:
         raise ValueError("--verifier applies to --format speculators only")
-    with output_path(out, "export"):  # nothing of ours inside what is handed on
+    with output_path(out, "export", is_export_dir,  # nothing of ours inside what is handed on
+                     "a drafter directory (its config.json a drafter's) or a new one"):
         export(drafter, out, fmt, **kw)
     c = drafter.config
     print(f"exported {args.drafter} -> {out} ({fmt}): {c.num_hidden_layers} layers, taps {c.target_layer_ids}, "

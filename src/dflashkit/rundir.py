@@ -5,7 +5,7 @@ once and names the holder), removes the temp files that killed writers left ther
 `DIR/.dflashkit-files.json` the entries it writes before it writes them. `--overwrite` removes
 only entries so recorded: never a file of the user's, and never through a symbolic link. An
 output that is handed on as it is (a tokenized file, an exported drafter) is locked from beside
-it (`output_path`).
+it (`output_path`), and replaces only an earlier output of its command, never another file.
 """
 
 from __future__ import annotations
@@ -149,13 +149,18 @@ def output_directory(path: str | Path, command: str, *, temp_dirs: Sequence[str]
 
 
 @contextmanager
-def output_path(path: str | Path, command: str) -> Iterator[Path]:
+def output_path(path: str | Path, command: str, ours: Callable[[Path], bool], kind: str) -> Iterator[Path]:
     """Lock the output `path`, a file or a directory that is handed on as it is (an exported
     drafter), with `.NAME.lock` beside it, not in it; remove the temp files that killed writers
-    left of it (and in it, for a directory)."""
+    left of it (and in it, for a directory). What stands at `path` is replaced only where
+    `ours(path)` finds an earlier output of the command (`kind` says what that is): anything else
+    is refused and left as it is."""
     path = Path(path)
     make_dir(path.parent)
     with hold_lock(path.with_name(f".{path.name}.lock"), command, str(path)):
+        if (path.is_symlink() or path.exists()) and not ours(path):
+            raise ValueError(f"{path}: not {kind}, and `dflashkit {command}` replaces only its own earlier output, "
+                             "so it leaves this alone: move it away or choose another output")
         remove_stale_temp_files(path.parent, path.name)
         if path.is_dir() and not path.is_symlink():
             remove_stale_temp_files(path)

@@ -361,6 +361,22 @@ def load_tokenized(path: str | Path) -> list[TokenizedSample]:
 # ---- CLI: dflashkit tokenize ---------------------------------------------------------------
 
 
+def is_tokenized_file(path: Path) -> bool:
+    """Whether `path` is an earlier output of `tokenize` (or an empty file), which it may replace:
+    never the conversations it reads, nor a file of the user's."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        first = f.readline()
+    if not first:
+        return True
+    try:
+        rec = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(rec, dict) and {"id", "input_ids", "loss_mask"} <= rec.keys()
+
+
 def add_arguments(p) -> None:
     from dflashkit.commands import add_config_options
 
@@ -377,7 +393,7 @@ def run(args) -> int:
     src, out = args.input or cfg.data.regenerated, args.out or cfg.data.tokenized
     if not src or not out:
         raise ValueError("tokenize needs an input (--input or data.regenerated=PATH) and an output (--out or data.tokenized=PATH)")
-    with output_path(out, "tokenize"):
+    with output_path(out, "tokenize", is_tokenized_file, "a tokenized file (JSONL of id, input_ids, loss_mask)"):
         tok = load_tokenizer(cfg.target.path, cfg.target.gguf_file)
         stats = tokenize_file(src, tok, out, max_length=cfg.data.max_length, thinking=cfg.data.thinking,
                               limit=cfg.data.limit)

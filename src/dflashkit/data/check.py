@@ -13,6 +13,7 @@ relative to the largest reference value.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_options(p)
 
 
+def is_report(path: Path) -> bool:
+    """Whether `path` is an earlier --json report (or an empty file), which a run may replace."""
+    try:
+        raw = json.loads(path.read_bytes() or b"{}") if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return raw == {} or (isinstance(raw, dict) and {"a", "b", "layers"} <= raw.keys())
+
+
 def run(args: argparse.Namespace) -> int:
+    from dflashkit.rundir import output_path
+
+    if not args.json:
+        return compare_and_report(args)
+    # Locked and checked before the sources load: the report replaces only an earlier report.
+    with output_path(args.json, "check-features", is_report, "a check-features report (JSON with a, b, layers)"):
+        return compare_and_report(args)
+
+
+def compare_and_report(args: argparse.Namespace) -> int:
     from dflashkit.commands import config_from_args
     from dflashkit.drafter import default_target_layer_ids
 
