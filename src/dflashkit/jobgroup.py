@@ -50,6 +50,11 @@ def join_job(backend: str, timeout_s: float) -> None:
 _JOB: dict[str, Any] = {}
 
 
+def joined() -> bool:
+    """This process joined its group through `join_job` (a caller may have made the group itself)."""
+    return bool(_JOB)
+
+
 def _generation(store: Any, space: str, rank: int, world: int, timeout_s: float) -> int:
     """A number every rank of this start of the job agrees on and no earlier start used: rank 0
     draws it (a counter in the store), and each other rank asks for it under a nonce of its own,

@@ -48,12 +48,13 @@ from torch.nn.utils import get_total_norm
 
 from dflashkit.checkpoint import (CONFIG, SHARDED_STATE, TRAINING_STATE, WEIGHTS, atomic_save, atomic_write_bytes,
                                   atomic_write_json, complete_lines, load_config, load_drafter, sha256_file,
-                                  load_training_state, save_drafter, target_problems, temp_path)
+                                  load_training_state, save_drafter, target_problems, temp_path, torch_save,
+                                  writing)
 from dflashkit import versions
 from dflashkit.config import TrainConfig, dump_config
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, grow, upgraded
 from dflashkit import shardstate
-from dflashkit.jobgroup import Heartbeat, join_job
+from dflashkit.jobgroup import Heartbeat, join_job, joined
 from dflashkit.optim import HostAdamW
 from dflashkit.objective import (CALIBRATION_BINS, LossSettings, MicroBatch, add_feature_noise, anchor_runs,
                                  block_loss, calibration_report, check_label_sources, family_metrics, family_sums,
@@ -829,7 +830,7 @@ class MetricsLog:
     def log(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a") as f:  # a full disk: one line naming the file
             f.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
         scalars = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
         if self.tb is not None:
@@ -890,10 +891,10 @@ def plot_curves(metrics: Path, png: Path) -> None:
         if ax.get_legend_handles_labels()[0]:  # no held-out evaluation: nothing to label
             ax.legend()
     fig.tight_layout()
-    tmp = temp_path(png)
-    fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
-    os.replace(tmp, png)
+    try:
+        atomic_save(lambda tmp: fig.savefig(tmp, dpi=100, format="png"), png)
+    finally:
+        plt.close(fig)
 
 
 # ---- the job ---------------------------------------------------------------------------------
@@ -1165,7 +1166,7 @@ def _sharded_checkpoint(run: Run, step: int, t0: float) -> None:
     def complete(p: Path) -> None:
         os.replace(shards, p)
         atomic_write_json(p / CONFIG, run.dcfg.to_json_dict())
-        atomic_save(lambda tmp: torch.save(state, tmp), p / TRAINING_STATE)
+        atomic_save(lambda tmp: torch_save(state, tmp), p / TRAINING_STATE)
         names = [CONFIG, TRAINING_STATE, f"{SHARDED_STATE}/SHA256SUMS"]  # the shards' sums cover the shards
         atomic_write_bytes(p / "SHA256SUMS", "".join(f"{sha256_file(p / n)}  {n}\n" for n in sorted(names)).encode())
 
@@ -1254,7 +1255,7 @@ def _loop(run: Run, stop: list[int], t_begin: float) -> None:
     """`_steps` under a heartbeat when there are several ranks: the progress line keeps coming
     while a step waits, and a rank that does not arrive is named."""
     bar = progress(total=run.total, initial=run.start, desc="train", unit="step", disable=not run.d.main)
-    if run.d.world == 1:
+    if run.d.world == 1 or not joined():  # a group made by the caller: no store of ours to beat in
         return _steps(run, stop, t_begin, bar, None)
     from dflashkit.progress import interval_seconds
 
