@@ -193,3 +193,142 @@ def test_confidence_target_layer_must_not_be_an_fc_input():
     check_label_sources([1, 9, 35], 36, "ce")
     with pytest.raises(ValueError, match="the confidence head takes its target .* layer 35"):
         check_label_sources([1, 9, 35], 36, "ce", confidence=True)
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+
+
+def _ref_heads(drafter):
+    """speculators' Markov and confidence heads holding the drafter's weights."""
+    from speculators.models.dspark.model_definitions import ConfidenceHead as RefConf, MarkovHead as RefMarkov
+
+    m, c = drafter.markov(), drafter.confidence()
+    V, H = m.markov_w1.weight.shape[0], drafter.config.hidden_size
+    ref = RefMarkov(verifier_vocab_size=V, draft_vocab_size=V, markov_rank=m.rank, hidden_size=H, head_type=m.kind)
+    ref.load_state_dict(m.state_dict())
+    conf = RefConf(c.proj.in_features)
+    conf.load_state_dict(c.state_dict())
+    return ref, conf
+
+
+def _spark(tiny_target, kind, b=2, S=4, seed=0):
+    from dflashkit.decode.markov import MarkovDraft
+
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(markov_head_type=kind))
+    with torch.no_grad():  # a bias strong enough to move the argmax
+        drafter.markov().markov_w2.weight.mul_(30.0)
+    g = torch.Generator().manual_seed(seed)
+    V, H = tiny_target.vocab_size, drafter.config.hidden_size
+    unary, hidden = torch.randn(b, S, V, generator=g), torch.randn(b, S, H, generator=g)
+    first = torch.randint(3, V, (b,), generator=g)
+    return drafter, MarkovDraft(unary, hidden, first, drafter.markov(), drafter.confidence(), True)
+
+
+def _biased(ref, spark, row, path):
+    """Reference: the biased logits of slot len(path) after the bonus and `path`."""
+    prev = torch.tensor([[int(spark.first[row]), *path]])
+    bias = ref.block_bias(prev_token_ids=prev, hidden_states=spark.hidden[row, None, :len(path) + 1])
+    return spark.unary[row, len(path)] + bias[0, -1]
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+@torch.no_grad()
+def test_markov_chain_is_the_sequential_argmax_scored_by_confidence(tiny_target, kind):
+    from dflashkit.decode.markov import markov_chain
+
+    drafter, spark = _spark(tiny_target, kind)
+    ref, conf = _ref_heads(drafter)
+    trees = markov_chain(spark)
+    moved = 0
+    for row in range(2):
+        path = []
+        for s in range(spark.unary.shape[1]):
+            path.append(int(_biased(ref, spark, row, path).argmax()))
+            moved += path[-1] != int(spark.unary[row, s].argmax())
+        assert trees.tokens[row].tolist() == path
+        prev = torch.tensor([int(spark.first[row]), *path[:-1]])
+        c = conf(torch.cat([spark.hidden[row], ref.markov_w1(prev)], -1))
+        torch.testing.assert_close(trees.scores[row], F.logsigmoid(c).cumsum(0))
+    assert moved  # the bias changed some argmax: the chain is not the unary one
+
+
+@torch.no_grad()
+def test_markov_tree_holds_the_best_prefixes_of_the_biased_conditionals(tiny_target):
+    """Against brute force over every prefix (each extending by its own top-3 of its biased
+    conditional, the reference's head with its recurrent state along the prefix)."""
+    from dflashkit.decode.markov import MarkovDraft, markov_tree
+
+    drafter, spark = _spark(tiny_target, "rnn", S=3)
+    spark = MarkovDraft(*spark[:4], None, False)  # scores: the log-probabilities
+    ref, _ = _ref_heads(drafter)
+    budget, k = 6, 3
+    trees = markov_tree(spark, budget, k)
+    for row in range(2):
+        every = {}
+
+        def grow(path, score):
+            if len(path) == spark.unary.shape[1]:
+                return
+            lp, ids = torch.log_softmax(_biased(ref, spark, row, path), -1).topk(k)
+            for v, t in zip(lp.tolist(), ids.tolist()):
+                every[(*path, t)] = score + v
+                grow([*path, t], score + v)
+
+        grow([], 0.0)
+        best = sorted(every, key=lambda p: (-every[p], len(p)))[:budget]
+        got = {}
+        for i, (p, t) in enumerate(zip(trees.parents[row].tolist(), trees.tokens[row].tolist()), start=1):
+            got[i] = (*got.get(p, ()), t)
+        assert sorted(got.values()) == sorted(best)
+        for i, path in got.items():
+            assert float(trees.scores[row, i - 1]) == pytest.approx(every[path], abs=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_dspark_greedy_decoding_identical_to_ar(tiny_target, engine):
+    """Bonus-first DSpark drafts (chain and tree from the biased conditionals) decode exactly the
+    target's greedy tokens, one row and a ragged batch."""
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.loop import generate, generate_batch
+    from dflashkit.decode.static import static_engine
+    from test_decode import greedy_reference, ragged_prompts
+
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(sample_from_anchor=False, markov_head_type="rnn"))
+    prompts = ragged_prompts(1, lengths=(20, 7))
+    refs = [greedy_reference(tiny_target, p, 20) for p in prompts]
+    make = (lambda: Engine(tiny_target, drafter)) if engine == "hf" else (lambda: static_engine(tiny_target, drafter, fuse=False))
+    for method, budget in (("dflash", None), ("ddtree", 12)):
+        assert generate(make(), prompts[0], max_new_tokens=20, method=method, budget=budget).tokens == refs[0]
+        got = generate_batch(make(), prompts, max_new_tokens=20, method=method, budget=budget)
+        assert [g.tokens for g in got] == refs, method
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 12)])
+def test_anchor_first_decoding_drafts_a_whole_block(tiny_target, method, budget):
+    """Anchor-first (DSpark's layout): every slot drafts, slot k the token at start + k + 1, so a
+    round accepts up to block_size tokens plus the bonus; greedy output equals the target's."""
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.loop import generate
+    from test_decode import greedy_reference, ragged_prompts
+
+    drafter = make_tiny_family(tiny_target, "dspark")
+    B = drafter.config.block_size
+    prompt = ragged_prompts(2, lengths=(15,))[0]
+    ref = greedy_reference(tiny_target, prompt, 24)
+    engine = Engine(tiny_target, drafter)
+    assert engine.block == B + 1
+    assert generate(engine, prompt, max_new_tokens=24, method=method, budget=budget).tokens == ref
+    # A drafter that predicts the text exactly: every round takes the whole block and the bonus.
+    text = [*prompt[0].tolist(), *ref]
+    real = Engine._draft_logits
+
+    def oracle(self, feats, bonus, ctx_start, start, n):
+        h, logits = real(self, feats, bonus, ctx_start, start, n)
+        at = int(start[0]) + 1 + torch.arange(logits.shape[1])
+        want = torch.tensor([text[i] if i < len(text) else 0 for i in at.tolist()])
+        return h, torch.nn.functional.one_hot(want, logits.shape[-1])[None].float() * 1e4
+
+    engine = Engine(tiny_target, drafter)
+    engine.draft_logits = oracle.__get__(engine)
+    g = generate(engine, prompt, max_new_tokens=2 * (B + 1) + 1, method=method, budget=budget)
+    assert g.tokens == ref[:2 * (B + 1) + 1] and g.accept_lengths[:2] == [B + 1, B + 1]

@@ -31,8 +31,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
-from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, visibility
-from dflashkit.drafter import DFlashDrafter, DrafterConfig, draft_step, write_context
+from dflashkit.decode.markov import MarkovDraft, markov_chain, markov_tree
+from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, verification, visibility
+from dflashkit.drafter import DFlashDrafter, draft_step, write_context
 from dflashkit.kernels.packed import lm_head
 from dflashkit.method import TOP_K
 from dflashkit.target import Target
@@ -209,16 +210,6 @@ def ragged_cat(a: Tensor, a_counts: Sequence[int], b: Tensor, b_counts: Sequence
     return both.gather(1, idx[..., None].expand(-1, -1, both.shape[2])), [x + y for x, y in zip(a_counts, b_counts)]
 
 
-def unserved(config: DrafterConfig) -> str | None:
-    """Why this engine cannot decode with a drafter of `config`, or None. Its rounds draft a
-    bonus-first block: slot k >= 1 at the bonus's position + k."""
-    if config.sample_from_anchor:
-        return (f"a {config.kind} drafter with dflash_config.sample_from_anchor=true (anchor-first: slot k drafts the "
-                "token after position anchor + k): dflashkit's engine drafts bonus-first blocks only; serve it with "
-                "an engine of that layout (export it), or train a bonus-first drafter (drafter.sample_from_anchor=false)")
-    return None
-
-
 def round_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
     """Positions of a round's draft block: 1 + `draft_tokens` (default: the drafter's whole
     block; 1 without a drafter)."""
@@ -226,15 +217,12 @@ def round_block(drafter: DFlashDrafter | None, draft_tokens: int | None) -> int:
         if draft_tokens is not None:
             raise ValueError("draft_tokens (--draft-tokens): set without a drafter (autoregressive decoding drafts nothing)")
         return 1
-    why = unserved(drafter.config)
-    if why is not None:
-        raise ValueError(f"drafter: {why}")
-    most = drafter.config.block_size - 1
+    most = len(drafter.config.draft_slots)  # bonus-first: block_size - 1; anchor-first: block_size
     if draft_tokens is None:
         return most + 1
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= most:
-        raise ValueError(f"draft_tokens (--draft-tokens): expected an int from 1 to {most} (the drafter's block_size "
-                         f"{most + 1} less the bonus token), got {draft_tokens!r}")
+        raise ValueError(f"draft_tokens (--draft-tokens): expected an int from 1 to {most} (the tokens a block of the "
+                         f"drafter's block_size {drafter.config.block_size} drafts), got {draft_tokens!r}")
     return draft_tokens + 1
 
 
@@ -376,17 +364,27 @@ class Engine:
         if self.dcache is not None:
             self.dcache.reserve(capacity + self.block)
 
-    def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int) -> Tensor:
+    def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int
+                      ) -> tuple[Tensor, Tensor]:
+        """The drafter's pass -> the hidden states [b, S, H] and logits [b, S, V] of its S drafting
+        slots (`DrafterConfig.draft_slots`: S = block - 1 either way)."""
+        # Anchor-first (slot k drafts position start + k + 1): a pass of one position fewer, every slot drafting.
+        a = int(self.drafter.config.sample_from_anchor)
         h = draft_step(self.drafter, self._draft_embed, self.dcache, feats.to(self.draft_dtype), bonus, ctx_start,
-                       start, n, self.block)
-        return (self.draft_head or self.lm_head)(h[:, 1:])
+                       start, n, self.block - a)[:, 1 - a:]
+        return h, (self.draft_head or self.lm_head)(h)
 
     def _draft_embed(self, ids: Tensor) -> Tensor:
         return self.target.embed(ids).to(self.draft_dtype)  # (the same tensor where the dtypes agree)
 
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
                     budget: int | None, top_k: int | None, scored: bool) -> Draft:
-        logits = self.draft_logits(feats, bonus, ctx_start, start, n)
+        hidden, logits = self.draft_logits(feats, bonus, ctx_start, start, n)
+        if self.drafter.config.kind == "dspark":  # each slot's logits after the token drafted before it
+            d = self.drafter
+            spark = MarkovDraft(logits, hidden, bonus, d.markov(), d.confidence(), d.config.confidence_head_with_markov)
+            trees = markov_chain(spark) if budget is None else markov_tree(spark, budget, top_k)
+            return Draft(logits, trees, *verification(bonus, trees, chain=budget is None))
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
 
     @_passes
@@ -428,7 +426,7 @@ class Engine:
         first layer's slots halves DFlash's τ (2.3 to 1.1) without a word."""
         dc = self.dcache
         before = dc.k[:, :, :, :n].clone(), dc.v[:, :, :, :n].clone()
-        eager = self._draft_logits(*args[:5]).float()  # (the uncompiled function)
+        eager = self._draft_logits(*args[:5])[1].float()  # (the uncompiled function)
         written = dc.k[:, :, :, :n].clone(), dc.v[:, :, :, :n].clone()
         dc.k[:, :, :, :n], dc.v[:, :, :, :n] = before
         out = step(*args)

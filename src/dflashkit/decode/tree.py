@@ -79,14 +79,22 @@ def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
         tokens.append(token_ids[:, s].gather(1, k[idx]))
         depths.append(torch.full_like(idx, s + 1))
         base += width  # the new beam is numbered after the one it extends
-    scores, parents, tokens, depths = (torch.cat(x, 1) for x in (scores, parents, tokens, depths))
+    return selected(*(torch.cat(x, 1) for x in (scores, parents, tokens, depths)), budget)
+
+
+def selected(scores: Tensor, parents: Tensor, tokens: Tensor, depths: Tensor, budget: int,
+             kept: Tensor | None = None) -> Trees:
+    """The best `budget` of a beam search's candidates of all depths ([b, n] each: score, parent
+    (0 the root, candidate c is c + 1), token, depth), ties to the shallower, as trees in
+    descending score order. kept: the scores the trees carry instead (DSpark's expected acceptance)."""
+    b, dev = scores.shape[0], scores.device
     m = min(budget, scores.shape[1])
     pick = (scores.double() - TIE * depths).topk(m, dim=1).indices  # [b, m], best first
     # candidate c is node new[c + 1] of the tree (new[0] = 0: the root)
     new = torch.zeros(b, scores.shape[1] + 1, dtype=torch.long, device=dev)
     new.scatter_(1, pick + 1, torch.arange(1, m + 1, device=dev).expand(b, -1))
     return Trees(tokens.gather(1, pick), new.gather(1, parents.gather(1, pick)), depths.gather(1, pick),
-                 scores.gather(1, pick))
+                 (scores if kept is None else kept).gather(1, pick))
 
 
 def prefix(trees: Trees, m: int) -> Trees:
