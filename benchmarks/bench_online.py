@@ -167,6 +167,8 @@ def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target,
     cuda = target.device.type == "cuda"
     steps = args.warmup + args.steps
     samples = random_samples(args.batch * steps + 2, args.seq, args.prompt, target.vocab_size)
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
     out_dir = tempfile.mkdtemp(prefix="bench_online_", dir=args.work)  # train() writes final/ there
     cfg = load_config(None, [f"train.output_dir={out_dir}", f"train.max_steps={steps}", f"train.batch_size={args.batch}",
                              "train.micro_batch_size=1", f"train.anchors_per_seq={anchors}", "train.eval_samples=1",
