@@ -120,6 +120,47 @@ def test_extract_kill_and_resume(tiny_dir, tmp_path, capsys):
         extract_features(target, changed, [1, 3], out, batch_size=4, shard_size=200)
 
 
+def test_a_full_disk_while_a_shard_is_written_is_one_line_and_the_same_command_resumes(tiny_dir, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """The file-size limit (ulimit -f) reached while shard 1 is written: one line naming the shard
+    and the cause (before: safetensors' `File too large (os error 27)`, no file named); the same
+    command then keeps shard 0, writes the rest, and gives the uninterrupted run's shards."""
+    import resource
+
+    from dflashkit.data import features
+
+    samples = random_samples(60, lo=24, hi=64)
+    tok_file = tmp_path / "tok.jsonl"
+    tok_file.write_text("".join(json.dumps(s.__dict__) + "\n" for s in samples))
+    ref = extract_features(load_target(tiny_dir), samples, [1, 3], tmp_path / "ref", batch_size=4, shard_size=200)
+    write_shard = features._write_shard
+
+    def limited(*a):
+        if a[3] != 1:  # the shard's number
+            return write_shard(*a)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: a write past it is EFBIG
+        try:
+            return write_shard(*a)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    monkeypatch.setattr(features, "_write_shard", limited)
+    out = tmp_path / "out"
+    args = ["extract", "--input", str(tok_file), "--out", str(out), "--shard-size", "200", f"target.path={tiny_dir}",
+            "drafter.target_layer_ids=[1,3]", "drafter.num_taps=2", "data.batch_size=4"]
+    assert cli_main(args) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflashkit")]
+    assert err == [f"dflashkit extract: error: {out}/shard-00001.safetensors: cannot be written: the file-size limit "
+                   "is reached (ulimit -f) (EFBIG); free space or raise the limit, then run the command again"], err
+    assert (out / "shard-00000.json").is_file() and not (out / "shard-00001.json").exists()
+    assert not list(out.glob(".shard-*.tmp"))
+    monkeypatch.undo()
+    assert cli_main(args) == 0, capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in ref["shards"]]
+
+
 def test_extract_refuses_token_ids_outside_the_vocabulary(tiny_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "a", "input_ids": [5, 1000000, 7], "loss_mask": [0, 1, 1]}) + "\n")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,77 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_gives_the_sam
     assert json.loads((out / "latest.json").read_text())["step"] == 3 and not (out / "final").exists()
     run_job(str(out), steps, auto_resume=True)  # the same command again: it resumes
     assert losses(out) == pytest.approx(losses(ref_dir), rel=1e-6)  # nothing lost, nothing logged twice
+
+
+@contextmanager
+def file_size_limit(limit: int):
+    """ulimit -f for this process in the block (Python ignores SIGXFSZ: a write past it is EFBIG)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_auto_resume_recovers(tmp_path, monkeypatch):
+    """The file-size limit reached while step 4's checkpoint writes its training state, or no
+    space left when step 5's metrics line is appended: one line naming the file being written and
+    the cause, no half-written checkpoint left; the same command with --auto-resume continues from
+    the last checkpoint and ends as an uninterrupted run."""
+    import builtins
+    import errno
+
+    from dflashkit import train as train_mod
+    from dflashkit.checkpoint import NoRoomError
+
+    steps = ["train.max_steps=6", "train.save_every=2", "train.eval_every=100"]
+    ref = tmp_path / "ref"
+    run_job(str(ref), steps)
+    weights = (ref / "final" / "model.safetensors").stat().st_size  # a training state is about 3x that
+    publish = train_mod.publish_checkpoint
+
+    def limited(out_dir, step, *a):
+        if step != 4:
+            return publish(out_dir, step, *a)
+        with file_size_limit(2 * weights):
+            return publish(out_dir, step, *a)
+
+    monkeypatch.setattr(train_mod, "publish_checkpoint", limited)
+    out = tmp_path / "limit"
+    with pytest.raises(NoRoomError) as e:
+        run_job(str(out), steps, auto_resume=True)
+    assert re.fullmatch(rf"{out}/checkpoints/\.step-00000004\.\d+\.[0-9a-f]{{8}}\.tmp/training_state\.pt: cannot be "
+                        r"written: the file-size limit is reached \(ulimit -f\) \(EFBIG\); .*", str(e.value)), str(e.value)
+    assert json.loads((out / "latest.json").read_text())["step"] == 2
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
+    monkeypatch.undo()
+    run_job(str(out), steps, auto_resume=True)
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-6)
+
+    def full_at_step_5(path, mode="r", *a, **k):
+        f = builtins.open(path, mode, *a, **k)
+        if Path(path).name == "metrics.jsonl" and mode == "a":
+            write = f.write
+
+            def failing(text: str) -> int:
+                if text.startswith('{"step": 5,'):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return write(text)
+
+            f.write = failing
+        return f
+
+    monkeypatch.setattr(train_mod, "open", full_at_step_5, raising=False)
+    out = tmp_path / "full"
+    with pytest.raises(NoRoomError, match=rf"^{out}/metrics\.jsonl: cannot be written: no space left on the device "
+                                          r"\(ENOSPC\)"):
+        run_job(str(out), steps, auto_resume=True)
+    monkeypatch.undo()
+    run_job(str(out), steps, auto_resume=True)
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-6)
 
 
 def test_a_signal_while_the_data_loads_stops_before_the_first_step(tmp_path, monkeypatch):

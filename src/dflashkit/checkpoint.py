@@ -7,6 +7,7 @@ ship; our training state (optimiser, scheduler, RNG, data position) lives beside
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -88,13 +89,79 @@ def fault_point(name: str) -> None:
         os._exit(137)
 
 
+# A write that fails for lack of room: the causes, as the one line of the failure states them.
+_NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is used up",
+            errno.EFBIG: "the file-size limit is reached (ulimit -f)"}
+
+
+class NoRoomError(OSError):
+    """A file that could not be written for lack of room; the message names it and the cause."""
+
+    def __init__(self, path: Path, code: int) -> None:
+        super().__init__(f"{path}: cannot be written: {_NO_ROOM[code]} ({errno.errorcode[code]}); free space or "
+                         "raise the limit, then run the command again")
+        self.errno = code
+
+
+def _errno_of(e: BaseException) -> int | None:
+    if isinstance(e, OSError):
+        return e.errno
+    m = re.search(r"\(os error (\d+)\)", str(e))  # safetensors' I/O errors (Rust's) keep only this
+    return int(m.group(1)) if m else None
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Writes of `path` in the block: a failure for lack of room becomes a `NoRoomError` naming the
+    file and the cause, which the writers' own messages leave out (`[Errno 28] No space left on
+    device`, safetensors' `File too large (os error 27)`)."""
+    try:
+        yield
+    except Exception as e:
+        code = _errno_of(e)
+        if code not in _NO_ROOM:
+            raise
+        raise NoRoomError(path, code) from e
+
+
+class _KeptWriteError:
+    """A file as `torch.save` writes it, keeping the OSError of a failed write: torch turns it
+    into a RuntimeError without its errno (`[enforce fail at inline_container.cc]`)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+def torch_save(obj: Any, path: str) -> None:
+    """`torch.save(obj, path)`, a failed write raised as the OSError it was."""
+    with open(path, "wb") as f:
+        kept = _KeptWriteError(f)
+        try:
+            torch.save(obj, kept)
+        except RuntimeError:
+            if kept.error is None:
+                raise
+            raise kept.error from None
+
+
 def atomic_save(save_fn, path: Path) -> None:
     """`save_fn(tmp)` writes the file under a temporary name, then it is renamed into place."""
     path = Path(path)
     tmp = temp_path(path)
     try:
-        save_fn(str(tmp))
-        os.chmod(tmp, _file_mode())
+        with writing(path):
+            save_fn(str(tmp))
+            os.chmod(tmp, _file_mode())
         fault_point(f"replace {path.name}")
         os.replace(tmp, path)
     except BaseException:
@@ -148,7 +215,7 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, *, dtype: torch.dtype
     atomic_write_json(path / CONFIG, cfg)
     names = [WEIGHTS, CONFIG]
     if training_state is not None:
-        atomic_save(lambda tmp: torch.save(training_state, tmp), path / TRAINING_STATE)
+        atomic_save(lambda tmp: torch_save(training_state, tmp), path / TRAINING_STATE)
         names.append(TRAINING_STATE)
     atomic_write_bytes(path / SUMS, "".join(f"{sha256_file(path / n)}  {n}\n" for n in sorted(names)).encode())
     return path
