@@ -9,20 +9,25 @@ from datahelpers import one_thread  # noqa: F401
 from test_decode import _chi2_pvalue
 
 from dflashkit.decode import accept
-from dflashkit.decode.accept import Settings, expected_acceptance, picked_tokens, sampled_tokens, uniforms
-from dflashkit.decode.tree import ancestors, draft_trees, walk
+from dflashkit.decode.accept import (Settings, expected_acceptance, lattice_tokens, picked_tokens, sampled_tokens,
+                                     uniforms)
+from dflashkit.decode.tree import Lattice, ancestors, draft_trees, walk
 from dflashkit.decode.generation import Sampling, distribution, draw
+from dflashkit.family import CandidateSelector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, S, N, STEPS = 5, 3, 100_000, 3  # vocabulary, draft slots, continuations, tokens per continuation
+K = 4  # a DFlash 2 drafter's candidates per slot
+SELECTOR_STD = 0.6  # its weights: rows that differ (each node's own q matters) and drafts still accepted often
 CONTEXT = (0, 1)  # the last two tokens before the answer
 
 
 class Markov:
     """A synthetic second-order target: the logits of the next token are A[last] + C[one before];
     and a drafter that sees only the round's context (last, one before), one table per slot, as a
-    DFlash block drafted in one pass does."""
+    DFlash block drafted in one pass does; as a DFlash 2 drafter, with a candidate selector (K of
+    the V tokens per slot, transitions as large as the unary logits) over the same tables."""
 
     def __init__(self, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -31,12 +36,23 @@ class Markov:
         # the drafter's first slot is near the target's; later slots guess the rest less well
         self.D = torch.stack([self.A if s == 0 else 1.5 * torch.randn(V, V, generator=g) for s in range(S)]) + noise[0]
         self.E = torch.stack([self.C if s == 0 else torch.zeros(V, V) for s in range(S)]) + noise[1]
+        self.selector = CandidateSelector(V, 2 * V, rank=4, top_k=K)
+        with torch.no_grad():
+            for w in self.selector.parameters():
+                w.copy_(SELECTOR_STD * torch.randn(w.shape, generator=g))
 
     def target(self, last: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
         return self.A[last] + self.C[before]
 
     def drafter(self, last: torch.Tensor, before: torch.Tensor) -> torch.Tensor:  # [n, S, V]
         return self.D[:, last].transpose(0, 1) + self.E[:, before].transpose(0, 1)
+
+    def lattice(self, last: torch.Tensor, before: torch.Tensor) -> Lattice:
+        """The DFlash 2 drafter's lattice: the selector reads each slot's hidden state, here the
+        round's context (one-hot)."""
+        hidden = torch.cat([torch.eye(V)[last], torch.eye(V)[before]], -1)[:, None].expand(-1, S, -1)
+        with torch.no_grad():
+            return Lattice(*self.selector.lattice(hidden, self.drafter(last, before), last))
 
     def exact(self, sampling: Sampling) -> torch.Tensor:
         """P(x1, x2, x3) [V**3] under the target's own (temperature, top-p) sampling."""
@@ -49,10 +65,11 @@ class Markov:
         return probs
 
 
-def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int = 0) -> tuple[torch.Tensor, float]:
+def speculative(model: Markov, sampling: Sampling, budget: int | None, lattice: bool = False,
+                seed: int = 0) -> tuple[torch.Tensor, float]:
     """N continuations of STEPS tokens by rounds of the rejection rule (the context's last token
-    is the first round's bonus) -> (the tokens [N, STEPS], the mean accepted draft tokens of the
-    first round)."""
+    is the first round's bonus), from the DFlash drafter or (lattice) the DFlash 2 one -> (the
+    tokens [N, STEPS], the mean accepted draft tokens of the first round)."""
     g = torch.Generator().manual_seed(seed)
     before, last = torch.full((N,), CONTEXT[0]), torch.full((N,), CONTEXT[1])
     out, count = torch.full((N, STEPS), -1), torch.zeros(N, dtype=torch.long)
@@ -61,8 +78,10 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, seed: int
     while (count < STEPS).any():
         seeds = torch.randint(0, 2**62, (N,), generator=g)
         dlogits = model.drafter(last, before)
-        shape = draft_trees(dlogits, last, budget, None)[0]  # the match rule's trees
-        tokens, drawn = sampled_tokens(dlogits, shape, settings, seeds)
+        lat = model.lattice(last, before) if lattice else None
+        shape = draft_trees(dlogits, last, budget, None, lattice=lat)[0]  # the match rule's trees
+        tokens, drawn = sampled_tokens(dlogits, shape, settings, seeds) if lat is None else \
+            lattice_tokens(lat, shape, settings, seeds, V)
         trees = shape._replace(tokens=tokens)
         nodes = torch.cat([last[:, None], tokens], 1)  # [N, m+1]: the bonus, then the nodes
         parents = torch.cat([before[:, None], nodes.gather(1, trees.parents)], 1)
@@ -95,7 +114,7 @@ def pvalue(model: Markov, tokens: torch.Tensor, sampling: Sampling) -> float:
 
 
 SETTINGS = [Sampling(0.7, 0.9), Sampling(1.0, 0.9)]
-METHODS = {"chain": None, "tree": 6}
+METHODS = {"chain": (None, False), "tree": (6, False), "dflash2-chain": (None, True), "dflash2-tree": (6, True)}
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["T0.7", "T1.0"])
@@ -108,10 +127,11 @@ def test_autoregressive_sampling_is_exact(sampling):
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["T0.7", "T1.0"])
 def test_rejection_rule_is_exact(method, sampling):
-    """100,000 3-token continuations from the rejection rule (chains; trees of 6 nodes) follow
-    the target's joint distribution (chi-square at α = 0.001), with drafts often accepted."""
+    """100,000 3-token continuations from the rejection rule (chains; trees of 6 nodes; DFlash's
+    and DFlash 2's, whose q is each node's own row of the lattice) follow the target's joint
+    distribution (chi-square at α = 0.001), with drafts often accepted."""
     model = Markov()
-    tokens, accepted = speculative(model, sampling, METHODS[method])
+    tokens, accepted = speculative(model, sampling, *METHODS[method])
     assert (tokens >= 0).all()
     assert accepted > 0.5, "the test needs drafts to be accepted often"
     assert pvalue(model, tokens, sampling) > 1e-3
@@ -135,18 +155,40 @@ def test_wrong_rules_fail(method, wrong, monkeypatch):
     0.9): it can fail."""
     monkeypatch.setattr(accept, wrong, _tempered_ratio if wrong == "accepts" else _residual_from_p)
     model, sampling = Markov(), SETTINGS[0]
-    tokens, _ = speculative(model, sampling, METHODS[method])
+    tokens, _ = speculative(model, sampling, *METHODS[method])
     assert pvalue(model, tokens, sampling) < 1e-6
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+def _last_row_q(lattice: Lattice, shape, settings: Settings, seeds: torch.Tensor, vocab: int):
+    """A wrong rule for DFlash 2: each node's children drawn from its own row of the lattice, but
+    the rule handed the q of its slot's last row (a q per slot, as DFlash's; not the first row,
+    which is most often the node's own: a tree's nodes with children are mostly first candidates)."""
+    tokens, drawn = accept.lattice_tokens(lattice, shape, settings, seeds, vocab)
+    b, slots, _ = lattice.tokens.shape
+    depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1).clamp(max=slots - 1)
+    last = distribution(lattice.logprobs[:, :, -1], *settings.rows(slots))  # [b, S, K]
+    q = torch.zeros(b, slots, vocab).scatter_(2, lattice.tokens, last)
+    return tokens, drawn._replace(q=q.gather(1, depth[..., None].expand(-1, -1, vocab)))
+
+
+@pytest.mark.parametrize("method", ["dflash2-chain", "dflash2-tree"])
+def test_dflash2_needs_each_nodes_own_q(method, monkeypatch):
+    """DFlash 2 under the rejection rule with the q of each slot's last row instead of each
+    node's own (T 0.7, top-p 0.9): the same test rejects it."""
+    monkeypatch.setitem(globals(), "lattice_tokens", _last_row_q)
+    model, sampling = Markov(), SETTINGS[0]
+    tokens, _ = speculative(model, sampling, *METHODS[method])
+    assert pvalue(model, tokens, sampling) < 1e-6
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
 def test_uncapped_ratio_is_the_same_rule(method, monkeypatch):
     """Accepting with p/q uncapped (u < p/q) is the capped rule itself, since u < 1: the same
     tokens (up to the rounding of a product against a quotient), not a wrong rule to test."""
     model, sampling = Markov(), SETTINGS[0]
-    capped, _ = speculative(model, sampling, METHODS[method])
+    capped, _ = speculative(model, sampling, *METHODS[method])
     monkeypatch.setattr(accept, "accepts", lambda u, p_x, q_x: u < p_x / q_x)
-    uncapped, _ = speculative(model, sampling, METHODS[method])
+    uncapped, _ = speculative(model, sampling, *METHODS[method])
     assert (capped == uncapped).all(1).double().mean() > 0.9999
 
 

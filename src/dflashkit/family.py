@@ -123,6 +123,22 @@ class CandidateSelector(nn.Module):
         context = pred * self.hidden_projection(hidden).unsqueeze(-2).to(pred.dtype)
         return context @ self.successor_codebook[candidates.long()].transpose(-1, -2)
 
+    def scores(self, unary: Tensor, hidden: Tensor, predecessors: Tensor, candidates: Tensor) -> Tensor:
+        """The edge scores (fp32) that the selector's K-way choice is over: each candidate's unary
+        logit unary [..., K] plus its transition score from each predecessor -> [..., P, K]."""
+        return unary.float().unsqueeze(-2) + self(hidden, predecessors, candidates).float()
+
+    def lattice(self, hidden: Tensor, unary: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+        """Decoding's lattice over a drafted block (`decode.tree.Lattice`): hidden [b, S, H] and unary
+        logits [b, S, V] of the drafting slots, first [b] the token before slot 1 (the bonus) ->
+        (each slot's unary top-K candidates [b, S, K], log-probs [b, S, K, K]: row p of slot s over
+        slot s's candidates after candidate p of slot s-1, slot 0's rows all after `first`). The
+        predecessors are training's (`objective.block_predecessors`: the token before each slot),
+        here every candidate of the slot before."""
+        top, cand = unary.topk(self.top_k, dim=-1)  # [b, S, K]
+        preds = torch.cat([first[:, None, None].expand(-1, 1, self.top_k), cand[:, :-1]], 1)  # [b, S, K]
+        return cand, torch.log_softmax(self.scores(top, hidden, preds, cand), -1)
+
 
 class MarkovHead(nn.Module):
     """A logit bias on each block position from the token before it: W2 W1[prev] (`vanilla`),

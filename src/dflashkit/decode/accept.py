@@ -17,6 +17,9 @@ chance is 1 − TV(p, q), and the output is still exactly the target's distribut
                    token (a point mass), which recursive rejection sampling accepts when a draw
                    of the residual norm(max(0, p − q)) is that token. A chain is the tree whose
                    nodes have one child each: the same rule.
+  DFlash 2         the same, with each node's q its own: the selector's conditional after the
+                   node's token, over the next slot's candidates (`lattice_tokens`); a chain
+                   is drawn slot by slot, each slot from the row of the draw before.
 
 Every node's outcome (`picked_tokens`) is computed at once, then `tree.walk` follows them: no
 loop over depths and no host read. The two steps are about 140 small kernels a round; an engine
@@ -45,7 +48,7 @@ from torch import Tensor
 
 from dflashkit.decode.cache import to_device
 from dflashkit.decode.generation import Sampling, distribution, draw
-from dflashkit.decode.tree import Trees, Walk, walk
+from dflashkit.decode.tree import Lattice, Trees, Walk, walk
 from dflashkit.method import Method
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
@@ -125,11 +128,13 @@ def _children(trees: Trees) -> tuple[Tensor, Tensor]:
 class Drawn(NamedTuple):
     """What `sampled_tokens` draws beside the tokens, for `picked_tokens`: the drafter's adjusted
     distributions q [b, S, V], one draw of each slot's q [b, S], and each node's two uniforms
-    [b, 2, m+1] (its acceptance test, its residual draw; node 0 is the bonus)."""
+    [b, 2, m+1] (its acceptance test, its residual draw; node 0 is the bonus). per_node
+    (`lattice_tokens`): q [b, m+1, V] and the draws [b, m+1] are each node's, for its children."""
 
     q: Tensor
     drawn: Tensor
     u: Tensor
+    per_node: bool = False
 
 
 def sampled_tokens(dlogits: Tensor, shape: Trees, settings: Settings, seeds: Tensor) -> tuple[Tensor, Drawn]:
@@ -145,12 +150,50 @@ def sampled_tokens(dlogits: Tensor, shape: Trees, settings: Settings, seeds: Ten
     u = uniforms(seeds, _ROUND, (S + 2 * (m + 1),))
     q = distribution(dlogits, *settings.rows(S))
     drawn = draw(q.flatten(0, 1), u[:, :S].flatten()).view(b, S)
-    own = drawn.gather(1, shape.depths - 1)  # [b, m]: the draw of each node's slot
+    return _placed(shape, drawn.gather(1, shape.depths - 1)), Drawn(q, drawn, u[:, S:].view(b, 2, m + 1))
+
+
+def _placed(shape: Trees, own: Tensor) -> Tensor:
+    """The tokens [b, m] of `shape` with the draw at each node's parent (own [b, m]) among that
+    parent's children: where no child is the draw, it takes the last child's place."""
     real, count = _children(shape)
     has = torch.zeros_like(count).scatter_reduce_(1, shape.parents, ((shape.tokens == own) & real).long(), "amax")
     last = real & (sibling_rank(shape.parents) == count.gather(1, shape.parents) - 1)
-    tokens = torch.where(last & (has.gather(1, shape.parents) == 0), own, shape.tokens)
-    return tokens, Drawn(q, drawn, u[:, S:].view(b, 2, m + 1))
+    return torch.where(last & (has.gather(1, shape.parents) == 0), own, shape.tokens)
+
+
+def lattice_tokens(lattice: Lattice, shape: Trees, settings: Settings, seeds: Tensor,
+                   vocab: int) -> tuple[Tensor, Drawn]:
+    """`sampled_tokens` for a DFlash 2 draft: its lattice (candidates [b, S, K], log-probs
+    [b, S, K, K]) and the trees the match rule drafts from it (`tree.draft_trees`) -> (the
+    rejection rule's tokens [b, m], `Drawn` per node, q over a vocabulary of `vocab`). A node's
+    q is the selector's conditional after its own token (the root's: after the bonus) over the
+    next slot's candidates; each (slot, row) is drawn once, and a node takes its row's draw,
+    placed among its children as `sampled_tokens` places a slot's. A node's row is its token's,
+    which may be its parent's draw: the tokens settle depth by depth, one pass each. Nodes of one
+    depth that share a row share its draw; at most one of them is on any path (docs/conventions.md)."""
+    cands, logprobs = lattice
+    b, S, K = cands.shape
+    m = shape.size
+    u = uniforms(seeds, _ROUND, (S * K + 2 * (m + 1),))
+    q = distribution(logprobs, *settings.rows(S, K))  # [b, S, K, K]
+    drawn = cands.gather(2, draw(q.flatten(0, 2), u[:, :S * K].flatten()).view(b, S, K))  # each row's draw [b, S, K]
+    depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1)  # [b, m+1]
+    mine = cands.gather(1, (depth - 1).clamp(min=0)[..., None].expand(-1, -1, K))  # each node's own slot's candidates
+    slot = depth.clamp(max=S - 1)  # the slot of each node's children
+
+    def rows(tokens: Tensor) -> Tensor:  # [b, m+1]: each node's (slot, row) in q's rows (the root: row 0)
+        nodes = torch.cat([tokens.new_full((b, 1), -1), tokens], 1)
+        return slot * K + (mine == nodes[..., None]).long().argmax(-1)
+
+    at, tokens = rows(shape.tokens), shape.tokens
+    for _ in range(min(S, m)):  # after pass d, the tokens to depth d are final
+        tokens = _placed(shape, drawn.flatten(1).gather(1, at).gather(1, shape.parents))
+        at = rows(tokens)
+    qn = q.flatten(1, 2).gather(1, at[..., None].expand(-1, -1, K))  # [b, m+1, K]
+    kids = cands.gather(1, slot[..., None].expand(-1, -1, K))  # the candidates of each node's children
+    dense = qn.new_zeros(b, m + 1, vocab).scatter_(2, kids, qn)
+    return tokens, Drawn(dense, drawn.flatten(1).gather(1, at), u[:, S * K:].view(b, 2, m + 1), True)
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -186,9 +229,12 @@ def picked_tokens(trees: Trees, drawn: Drawn, logits: Tensor, settings: Settings
     S, V = q.shape[1:]
     p = distribution(logits, *settings.rows(m + 1))  # [b, m+1, V]
     has = _children(trees)[1] > 0
-    depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1).clamp(max=S - 1)
-    x = drawn.drawn.gather(1, depth)  # [b, m+1]: the draw among each node's children
-    qn = q.gather(1, depth[..., None].expand(-1, -1, V)) * has[..., None]  # a node without a child: q = 0
+    if drawn.per_node:
+        x, qn = drawn.drawn[:, :m + 1], q[:, :m + 1]
+    else:
+        depth = torch.cat([trees.depths.new_zeros(b, 1), trees.depths], 1).clamp(max=S - 1)
+        x, qn = drawn.drawn.gather(1, depth), q.gather(1, depth[..., None].expand(-1, -1, V))
+    qn = qn * has[..., None]  # x [b, m+1]: the draw among each node's children; a node without a child: q = 0
     ok = has & accepts(u[:, 0], p.gather(2, x[..., None])[..., 0], qn.gather(2, x[..., None])[..., 0])
     other = draw(residual(p, qn).flatten(0, 1), u[:, 1].flatten()).view(b, m + 1)
     return torch.where(ok, x, other)
@@ -199,17 +245,26 @@ def _sample(dlogits: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, sc
     return sampled_tokens(dlogits, Trees(tokens, parents, depths, scores), Settings(temperature, top_p), seeds)
 
 
+def _sample_lattice(cands: Tensor, logprobs: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor,
+                    temperature: Tensor, top_p: Tensor | float, seeds: Tensor, vocab: int) -> tuple[Tensor, Drawn]:
+    trees = Trees(tokens, parents, depths, scores)
+    return lattice_tokens(Lattice(cands, logprobs), trees, Settings(temperature, top_p), seeds, vocab)
+
+
 def _pick(tokens: Tensor, parents: Tensor, depths: Tensor, scores: Tensor, q: Tensor, drawn: Tensor, u: Tensor,
-          logits: Tensor, temperature: Tensor, top_p: Tensor | float) -> Tensor:
-    return picked_tokens(Trees(tokens, parents, depths, scores), Drawn(q, drawn, u), logits, Settings(temperature, top_p))
+          per_node: bool, logits: Tensor, temperature: Tensor, top_p: Tensor | float) -> Tensor:
+    return picked_tokens(Trees(tokens, parents, depths, scores), Drawn(q, drawn, u, per_node), logits,
+                         Settings(temperature, top_p))
 
 
 class Steps(NamedTuple):
-    """The rule's two device steps, `sampled_tokens` and `picked_tokens`, over flat arguments
-    (tensors, and top-p's 1.0 where no row cuts): what `static.Graphs` captures and replays."""
+    """The rule's device steps, `sampled_tokens` (`lattice_tokens` for DFlash 2) and
+    `picked_tokens`, over flat arguments (tensors, top-p's 1.0 where no row cuts, sizes): what
+    `static.Graphs` captures and replays."""
 
     sample: Callable[..., tuple[Tensor, Drawn]] = _sample
     pick: Callable[..., Tensor] = _pick
+    sample_lattice: Callable[..., tuple[Tensor, Drawn]] = _sample_lattice
 
 
 @dataclass
@@ -235,11 +290,15 @@ class Rejection:
         mask = to_device(greedy, device, torch.bool) if any(greedy) else None
         return cls(Settings.of(samplings, device), round_seeds(gens, device), mask, steps)
 
-    def draft(self, dlogits: Tensor, trees: Trees) -> Trees:
-        """The drafter's logits [b, S, V] and the trees the engine drafted from them -> the same
-        trees, each sampling row's tokens drawn from the drafter's distributions
-        (`sampled_tokens`); greedy rows keep theirs."""
-        tokens, self.drawn = self.steps.sample(dlogits, *trees, *self.settings, self.seeds)
+    def draft(self, dlogits: Tensor, trees: Trees, lattice: Lattice | None = None) -> Trees:
+        """The drafter's logits [b, S, V] (and a DFlash 2 drafter's lattice) and the trees the
+        engine drafted from them -> the same trees, each sampling row's tokens drawn from the
+        drafter's distributions (`sampled_tokens`, `lattice_tokens`); greedy rows keep theirs."""
+        if lattice is None:
+            tokens, self.drawn = self.steps.sample(dlogits, *trees, *self.settings, self.seeds)
+        else:
+            tokens, self.drawn = self.steps.sample_lattice(*lattice, *trees, *self.settings, self.seeds,
+                                                           dlogits.shape[-1])
         if self.greedy is not None:
             tokens = torch.where(self.greedy[:, None], trees.tokens, tokens)
         return trees._replace(tokens=tokens)

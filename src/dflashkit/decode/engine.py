@@ -2,7 +2,7 @@
 
     prefill(prompts)            -> the target's logits at each row's last prompt token [b, V]
     draft(bonus)                -> the drafter's logits for the B-1 positions after each bonus [b, B-1, V]
-                                   and each row's tree from them
+                                   (a DFlash 2 drafter's lattice over them) and each row's tree
     verify(tokens, depths, anc) -> the target's logits at each verified node [b, q, V]
     commit(paths)               keeps each row's accepted path (the one rollback, `KVCache.commit`)
     commit_walk(walk) + settle  the same from the acceptance walk on the device, the host's
@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
 from dflashkit.decode.markov import MarkovDraft, markov_chain, markov_tree
-from dflashkit.decode.tree import Trees, Walk, causal, draft_trees, verification, visibility
+from dflashkit.decode.tree import Lattice, Trees, Walk, causal, draft_trees, verification, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step, write_context
 from dflashkit.kernels.packed import lm_head
 from dflashkit.method import TOP_K
@@ -100,13 +100,15 @@ def _passes(fn: Callable) -> Callable:
 
 class Draft(NamedTuple):
     """A draft round: the drafter's logits [b, B-1, V], each row's tree and what the target
-    verifies of it (`tree.verification`: tokens, depths [b, q], ancestors [b, q, q])."""
+    verifies of it (`tree.verification`: tokens, depths [b, q], ancestors [b, q, q]); a DFlash 2
+    drafter's `Lattice`, which its trees come from (None: the logits')."""
 
     logits: Tensor
     trees: Trees
     tokens: Tensor
     depths: Tensor
     ancestors: Tensor
+    lattice: Lattice | None = None
 
     def retokened(self, trees: Trees) -> Draft:
         """The same draft over other tokens of the same trees (the rejection rule's draws)."""
@@ -385,13 +387,16 @@ class Engine:
             spark = MarkovDraft(logits, hidden, bonus, d.markov(), d.confidence(), d.config.confidence_head_with_markov)
             trees = markov_chain(spark) if budget is None else markov_tree(spark, budget, top_k)
             return Draft(logits, trees, *verification(bonus, trees, chain=budget is None))
-        return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored))
+        selector = self.drafter.selector()
+        lattice = None if selector is None else Lattice(*selector.lattice(hidden, logits, bonus))
+        return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored, lattice), lattice)
 
     @_passes
     def draft(self, bonus: Tensor, budget: int | None = None, top_k: int | None = TOP_K, scored: bool = False) -> Draft:
         """bonus [b] at positions `lengths` -> the drafter's logits [b, B-1, V] for the next B-1
         positions and each row's tree from them (`tree.draft_trees`: budget None, DFlash's chain;
-        else DDTree's best-first tree), built in the same step (one CUDA graph)."""
+        else DDTree's best-first tree; a drafter with a candidate selector, DFlash 2, drafts both
+        over its lattice), built in the same step (one CUDA graph)."""
         B, dc = self.block, self.dcache
         # A round's new context (at most a block per row), or a long one: the prompt's, or what
         # rounds without a draft left.

@@ -206,7 +206,7 @@ def speculative_round(engine: Engine, batch: Batch, method: Method, sizing: cost
     gens = [row.gen if row else None for row in batch.rows]
     rejection = Rejection.of(method, samplings, gens, batch.bonus.device, engine.accept_steps) if drafted else None
     if rejection is not None:  # the sampling rows' trees: draws of the drafter's distributions
-        draft = draft.retokened(rejection.draft(draft.logits, draft.trees))
+        draft = draft.retokened(rejection.draft(draft.logits, draft.trees, draft.lattice))
     stages.mark("draft")
     trees, tokens, depths, anc = verified(draft, batch, sizing)
     stages.mark("tree")

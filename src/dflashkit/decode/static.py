@@ -728,7 +728,7 @@ def _accept_graphs(steps: Steps) -> Steps:
     """The rejection rule's draws and checks from CUDA graphs: about 140 small kernels a round,
     launch-bound when launched one by one (Inductor fails to compile them on CUDA, torch 2.11). One
     graph per shape of its inputs (batch, tree width) and per whether a row cuts by top-p."""
-    return Steps(Graphs(steps.sample), Graphs(steps.pick))
+    return Steps(*(Graphs(step) for step in steps))
 
 
 def fuse_drafter(drafter: DFlashDrafter, fuse: bool, columns: bool) -> None:

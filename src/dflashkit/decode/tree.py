@@ -3,7 +3,9 @@
 Pure tensor functions over b rows at once, on the device that holds the drafter's logits (no
 host round trip inside a round). A round verifies, per row, the bonus token (node 0, the root)
 and draft nodes 1..m; DFlash is the special case of a single chain, autoregressive decoding the
-case of no node.
+case of no node. A DFlash 2 drafter drafts over a `Lattice` (its selector's conditional
+log-probs between the candidates of consecutive slots): its chain is the greedy `lattice_walk`,
+its tree the best-first tree over the lattice's paths (`lattice_tree`).
 """
 
 from __future__ import annotations
@@ -42,21 +44,26 @@ TIE = 1e-9  # per depth: of two prefixes with equal scores the shallower comes f
 
 
 @functools.lru_cache(maxsize=None)
-def _pairs(width: int, K: int, budget: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _pairs(width: int, K: int, budget: int, shared: bool, device: torch.device) -> tuple[Tensor, Tensor]:
     """The (prefix w, rank k) pairs of a beam of `width` prefixes and K ranks, both sorted best
-    first, that can be among the best `budget` extensions: (w+1)(k+1) <= budget, since the
-    (w+1)(k+1)-1 pairs (w' <= w, k' <= k) score at least as much. About budget·ln(budget) pairs
-    instead of width·K (DDTree-64 with 64 candidates per slot: 280, not 4,096). Cached per
-    shape: made in a CUDA graph's warm-up, never during its capture."""
-    pairs = [(w, k) for w in range(width) for k in range(min(K, budget // (w + 1)))]
+    first, that can be among the best `budget` extensions. shared (every prefix extends by the
+    same row): (w+1)(k+1) <= budget, since the (w+1)(k+1)-1 pairs (w' <= w, k' <= k) score at
+    least as much; about budget·ln(budget) pairs instead of width·K (DDTree-64 with 64
+    candidates per slot: 280, not 4,096). A row per prefix (a lattice): only k < budget, the
+    prefix's own better children (another prefix's row may hold worse ones). Cached per shape:
+    made in a CUDA graph's warm-up, never during its capture."""
+    pairs = [(w, k) for w in range(width) for k in range(min(K, budget // (w + 1) if shared else budget))]
     w, k = torch.tensor(pairs, dtype=torch.long).T
     return w.to(device), k.to(device)
 
 
-def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
-    """The best `budget` prefixes of per-slot top-K choices (logprobs/token_ids [b, S, K], each
-    slot sorted descending), a prefix scored by the sum of its slots' log-probabilities, as trees
-    in descending score order (each node after its parent).
+def best_first(logprobs: Tensor, token_ids: Tensor, budget: int, follow: Tensor | None = None) -> Trees:
+    """The best `budget` prefixes of per-slot choices, a prefix scored by the sum of its choices'
+    log-probabilities, as trees in descending score order (each node after its parent).
+    logprobs/token_ids [b, S, K]: one row of K choices per slot (DFlash's top-K), each sorted
+    descending; or [b, S, P, K] with follow [b, S, P, K]: P rows per slot (DFlash 2's lattice,
+    `lattice_tree`), a prefix extending by the row its last choice leads to (choice k of row p
+    of slot s leads to row follow[:, s, p, k] of slot s+1; the root's is row 0).
 
     A beam search of width `budget`: the best prefixes of depth d extend the best of depth d-1
     (a prefix scores at most its parent, so a parent outside the beam would leave `budget`
@@ -64,20 +71,28 @@ def best_first(logprobs: Tensor, token_ids: Tensor, budget: int) -> Trees:
     `budget` over all depths; ties go to the shallower prefix (`TIE`), so a node never outranks
     its parent and the set is closed under parents. Fixed shapes and no host read: a CUDA graph
     captures it (`static_engine`)."""
-    b, S, K = logprobs.shape
+    if follow is None:
+        logprobs, token_ids = logprobs[:, :, None], token_ids[:, :, None]
+    b, S, P, K = logprobs.shape
     dev = logprobs.device
     beam = logprobs.new_zeros(b, 1)  # the scores of the beam's prefixes (best first): first, the root alone
+    row = torch.zeros(b, 1, dtype=torch.long, device=dev)  # the row each prefix extends by (a lattice's)
     base = 0  # the index of the beam's first prefix, numbering the root 0 and then every candidate kept
     scores, parents, tokens, depths = [], [], [], []
     for s in range(S):
         width = beam.shape[1]
-        w, k = _pairs(width, K, budget, dev)
-        cand = beam[:, w] + logprobs[:, s, k]  # [b, pairs]
+        w, k = _pairs(width, K, budget, P == 1, dev)
+        lp, ids = logprobs[:, s].flatten(1), token_ids[:, s].flatten(1)  # [b, P * K]
+        at = k if P == 1 else row[:, w] * K + k  # [pairs], or [b, pairs]: each pair's choice in its slot
+        cand = beam[:, w] + (lp[:, at] if P == 1 else lp.gather(1, at))  # [b, pairs]
         beam, idx = cand.topk(min(budget, cand.shape[1]), dim=1)
+        chosen = at[idx] if P == 1 else at.gather(1, idx)
         scores.append(beam)
         parents.append(base + w[idx])
-        tokens.append(token_ids[:, s].gather(1, k[idx]))
+        tokens.append(ids.gather(1, chosen))
         depths.append(torch.full_like(idx, s + 1))
+        if P > 1:
+            row = follow[:, s].flatten(1).gather(1, chosen)
         base += width  # the new beam is numbered after the one it extends
     return selected(*(torch.cat(x, 1) for x in (scores, parents, tokens, depths)), budget)
 
@@ -95,6 +110,40 @@ def selected(scores: Tensor, parents: Tensor, tokens: Tensor, depths: Tensor, bu
     new.scatter_(1, pick + 1, torch.arange(1, m + 1, device=dev).expand(b, -1))
     return Trees(tokens.gather(1, pick), new.gather(1, parents.gather(1, pick)), depths.gather(1, pick),
                  (scores if kept is None else kept).gather(1, pick))
+
+
+class Lattice(NamedTuple):
+    """DFlash 2's draft of b blocks of S slots (`family.CandidateSelector.lattice`): tokens
+    [b, S, K], each slot's candidates (the unary head's top-K); logprobs [b, S, K, K]: row p of
+    slot s holds the log-probabilities of slot s's candidates after candidate p of slot s-1 (the
+    selector's edge scores, normalised over the K); slot 0 follows the bonus token, in every row."""
+
+    tokens: Tensor
+    logprobs: Tensor
+
+
+def lattice_walk(lattice: Lattice) -> Trees:
+    """DFlash 2's chain: from the bonus, each slot's most likely candidate after the one chosen
+    before it (S small gathers, no host read), scored by its summed log-probabilities."""
+    tokens, logprobs = lattice
+    b, S, K = tokens.shape
+    row = tokens.new_zeros(b, 1)  # slot 0's rows all follow the bonus
+    chosen, lps = [], []
+    for s in range(S):
+        lp, row = logprobs[:, s].gather(1, row[..., None].expand(-1, 1, K))[:, 0].max(-1, keepdim=True)
+        chosen.append(tokens[:, s].gather(1, row))
+        lps.append(lp)
+    return chains(torch.cat(chosen, 1), torch.cat(lps, 1).cumsum(1))
+
+
+def lattice_tree(lattice: Lattice, budget: int, top_k: int | None) -> Trees:
+    """DFlash 2's best-first tree: the best `budget` paths from the bonus through the lattice
+    (`best_first` with a row per predecessor), from each row's top-`top_k` candidates (None:
+    `budget`; at most the lattice's K)."""
+    tokens, logprobs = lattice
+    lp, order = logprobs.topk(candidates(budget, top_k, tokens.shape[2]), dim=-1)  # [b, S, K, k]: each row's best first
+    ids = tokens[:, :, None].expand(-1, -1, tokens.shape[2], -1).gather(3, order)
+    return best_first(lp, ids, budget, follow=order)  # a choice's index among its slot's candidates is its row next
 
 
 def prefix(trees: Trees, m: int) -> Trees:
@@ -136,21 +185,31 @@ def candidates(budget: int, top_k: int | None, vocab: int) -> int:
     return min(budget if top_k is None else top_k, vocab)
 
 
-def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int | None,
-                scored: bool = False) -> tuple[Trees, Tensor, Tensor, Tensor]:
-    """The drafter's logits [b, B-1, V] and bonus tokens [b] -> each row's tree and its
-    `verification` tensors. budget None: DFlash's chain of argmax tokens (scored: with the
-    scores that cost-aware drafting reads; a pass over the logits, else skipped); else DDTree's
-    best-first tree of `budget` nodes from the top-`top_k` tokens of each slot (None: `budget`)."""
+def drafted(dlogits: Tensor, budget: int | None, top_k: int | None, scored: bool = False,
+            lattice: Lattice | None = None, top: tuple[Tensor, Tensor] | None = None) -> Trees:
+    """Each row's tree from the drafter's logits [b, B-1, V]: budget None, a chain (DFlash's of
+    argmax tokens; scored: with the scores that cost-aware drafting reads, a pass over the
+    logits, else skipped); else a best-first tree of `budget` nodes from the top-`top_k` tokens of
+    each slot (None: `budget`). With a `lattice` (DFlash 2) the chain is `lattice_walk` and the
+    tree `lattice_tree`, both scored. top: the log-probs' top-k (values, indices) [b, B-1, k >= the
+    candidates], where a caller builds several trees from one draft (offline evaluation)."""
+    if lattice is not None:
+        return lattice_walk(lattice) if budget is None else lattice_tree(lattice, budget, top_k)
     if budget is None:
         if scored:
             lp, tok = torch.log_softmax(dlogits.float(), -1).max(-1)
-            trees = chains(tok, lp.cumsum(1))
-        else:
-            trees = chains(dlogits.argmax(-1))
-    else:
-        k = candidates(budget, top_k, dlogits.shape[-1])
-        trees = best_first(*torch.log_softmax(dlogits.float(), -1).topk(k, dim=-1), budget)
+            return chains(tok, lp.cumsum(1))
+        return chains(dlogits.argmax(-1))
+    k = candidates(budget, top_k, dlogits.shape[-1])
+    values, indices = top or torch.log_softmax(dlogits.float(), -1).topk(k, dim=-1)
+    return best_first(values[..., :k], indices[..., :k], budget)
+
+
+def draft_trees(dlogits: Tensor, bonus: Tensor, budget: int | None, top_k: int | None,
+                scored: bool = False, lattice: Lattice | None = None) -> tuple[Trees, Tensor, Tensor, Tensor]:
+    """The drafter's logits [b, B-1, V] (and a DFlash 2 drafter's `lattice`) and bonus tokens
+    [b] -> each row's tree (`drafted`) and its `verification` tensors."""
+    trees = drafted(dlogits, budget, top_k, scored, lattice)
     return (trees, *verification(bonus, trees, chain=budget is None))
 
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from dflashkit.decode.tree import Trees, best_first, candidates, chains, verification, walk
+from dflashkit.decode.tree import Lattice, Trees, candidates, drafted, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.evaluate.summary import method_labels, summarize
 from dflashkit.method import TOP_K
@@ -55,11 +55,11 @@ def draft_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, spans: list[tuple[int, int]],
-                   chunk: int = 32) -> Iterator[tuple[list[int], Tensor, Tensor, Tensor]]:
+                   chunk: int = 32) -> Iterator[tuple[list[int], Tensor, Lattice | None, Tensor, Tensor]]:
     """The drafter's block at every position p of `item`'s answer spans (`draft_spans`; bonus =
-    token p, context < p), `chunk` positions at a time: (positions, logits [n, B-1, V], bonus
-    tokens [n], truth [n, B]: the data's token after depth d of a tree rooted at p, -1 past the
-    answer, where nothing matches)."""
+    token p, context < p), `chunk` positions at a time: (positions, logits [n, B-1, V], a DFlash 2
+    drafter's lattice over them (else None), bonus tokens [n], truth [n, B]: the data's token
+    after depth d of a tree rooted at p, -1 past the answer, where nothing matches)."""
     B, dev = drafter.config.block_size, head.device
     ids = item.input_ids.long().to(dev)
     anchors = [p for a, e in spans for p in range(a, e - 1)]
@@ -68,11 +68,14 @@ def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, span
     for i in range(0, len(anchors), chunk):
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
-        logits = head.lm_head(h).view(len(part), B, -1)[:, 1:]
+        h = h.view(len(part), B, -1)[:, 1:]
+        logits = head.lm_head(h)
         at = torch.tensor(part, device=dev)
+        selector = drafter.selector()
+        lattice = None if selector is None else Lattice(*selector.lattice(h, logits, ids[at]))
         pos = at[:, None] + 1 + torch.arange(B, device=dev)
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
-        yield part, logits, ids[at], torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
+        yield part, logits, lattice, ids[at], torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
 
 
 @torch.no_grad()
@@ -82,14 +85,13 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
     Returns ({label: {p: accepted}}, spans). Positions past the answer's end never match."""
     out: dict[str, dict[int, int]] = {label: {} for label, _, _ in labels}
     spans = draft_spans(item.loss_mask)
-    for part, logits, roots, truth in drafted_blocks(drafter, head, item, spans, chunk):
-        # the same ops as online decoding (`tree.draft_trees`), the top-k taken once for every budget
-        ks = {budget: candidates(budget, top_k, logits.shape[-1]) for _, m, budget in labels if m == "ddtree"}
-        top = torch.log_softmax(logits.float(), -1).topk(max(ks.values()), dim=-1) if ks else None
+    for part, logits, lattice, roots, truth in drafted_blocks(drafter, head, item, spans, chunk):
+        # the same ops as online decoding (`tree.drafted`), the top-k taken once for every budget
+        ks = [candidates(budget, top_k, logits.shape[-1]) for _, m, budget in labels if m == "ddtree"]
+        top = torch.log_softmax(logits.float(), -1).topk(max(ks), dim=-1) if ks and lattice is None else None
         for label, method, budget in labels:
             chain = method == "dflash"
-            trees = chains(logits.argmax(-1)) if chain else \
-                best_first(top.values[..., :ks[budget]], top.indices[..., :ks[budget]], budget)
+            trees = drafted(logits, None if chain else budget, top_k, lattice=lattice, top=top)
             out[label].update(zip(part, accepted(trees, roots, truth, chain).tolist()))
     return out, spans
 
