@@ -332,3 +332,27 @@ def test_anchor_first_decoding_drafts_a_whole_block(tiny_target, method, budget)
     engine.draft_logits = oracle.__get__(engine)
     g = generate(engine, prompt, max_new_tokens=2 * (B + 1) + 1, method=method, budget=budget)
     assert g.tokens == ref[:2 * (B + 1) + 1] and g.accept_lengths[:2] == [B + 1, B + 1]
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+@torch.no_grad()
+def test_the_confidence_head_decides_how_much_to_verify(tiny_target, budget):
+    """Cost-aware drafting keeps the draft's prefix with the most expected tokens per measured
+    second; with a confidence head a node's expected acceptance is the product of the confidences
+    along its path: confident drafts are verified whole, unconfident ones not past the bonus
+    (chains and trees)."""
+    from dflashkit.decode import cost
+    from dflashkit.decode.engine import Engine
+
+    drafter = make_tiny_family(tiny_target, "dspark")
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2, 4])]
+    curve = cost.CostCurve([1, 2, 4, 8], [1.0, 1.1, 1.2, 1.3])  # a wider pass costs more
+    proj = drafter.confidence().proj
+    for sure, width in ((12.0, 8), (-12.0, 1)):
+        proj.weight.zero_()
+        proj.bias.fill_(sure)
+        engine = Engine(tiny_target, drafter)
+        draft = engine.draft(engine.prefill(prompts, 64).argmax(-1), budget, scored=True)
+        if budget is None:  # the running sums of log sigmoid(confidence)
+            torch.testing.assert_close(draft.trees.scores, (F.logsigmoid(torch.tensor(sure)) * torch.arange(1, 9)).expand(2, -1))
+        assert curve.best_width(cost.tree_expectation(draft.trees.scores)) == width
