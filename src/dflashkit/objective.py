@@ -651,7 +651,7 @@ def selector_terms(selector, h: Tensor, preds: Tensor, labels: Tensor, ids: Tens
     contains = (ids[:, :K] == labels[:, None]).any(-1)
     ids = torch.cat([ids[:, :K - 1], torch.where(contains, ids[:, K - 1], labels)[:, None]], 1)
     unary = torch.cat([logits[:, :K - 1], torch.where(contains, logits[:, K - 1], logits[:, K])[:, None]], 1)
-    scores = unary + selector(h, preds[:, None], ids)[:, 0].float()
+    scores = selector.scores(unary, h, preds[:, None], ids)[:, 0]  # decoding's edge scores (`CandidateSelector.lattice`)
     target = (ids == labels[:, None]).float().argmax(-1)
     ce = F.cross_entropy(scores, target, reduction="none")
     # Where the top-K misses the label, decoding could not draft it: the pick is then never right.
