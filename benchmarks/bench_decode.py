@@ -25,6 +25,12 @@ on the same prompt, in bf16 and in fp32 (cosine, max error).
 `--temperature 0.7`: the rounds sample, each speculative method under both acceptance rules
 (`match`, `rejection`) side by side: what the rejection rule's draws and checks cost a round.
 
+`--kinds dflash,dflash2`: each speculative method with a DFlash 2 drafter too (its rows labelled
+`[dflash2]`): the same backbone with the reference DFlash 2 modules (block convolutions of 2 taps,
+groups of 16 channels; a candidate selector of rank 256 over the top 16), fresh; its rounds
+draft over the selector's lattice (the walk, the lattice's trees). What DFlash 2 costs a round
+beside DFlash's.
+
 Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused-cd` engine at
 each batch size, at τ = 1 (random drafts) and with every draft accepted (τ = B: the acceptance
 walk replaced, timing only); `--long 16384` times a round after a prompt of that
@@ -56,7 +62,8 @@ from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode import static as static_mod
 from dflashkit.decode.static import runner_features, static_engine
 from dflashkit.decode.tree import Walk, walk
-from dflashkit.drafter import DFlashDrafter, drafter_config_for_target
+from dflashkit.config import DrafterSettings
+from dflashkit.drafter import DFlashDrafter, drafter_config_for_target, upgraded
 from dflashkit.kernels import heads as heads_mod
 from dflashkit.method import TOP_K
 from dflashkit.target import Target
@@ -101,6 +108,17 @@ def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_l
     target = Target(model.to(device=device, dtype=dtype), None, name=f"{cfg.model_type}-random")
     dcfg = drafter_config_for_target(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers, num_taps=5)
     return target, DFlashDrafter(dcfg).to(device=device, dtype=dtype)
+
+
+def kind_drafters(drafter: DFlashDrafter, kinds: str) -> dict[str, DFlashDrafter]:
+    """The drafters timed side by side (`--kinds`): the DFlash one, and a DFlash 2 one upgraded from
+    it with the reference modules (`DrafterSettings`' defaults: convolutions 2/16, selector 256/16)."""
+    out = {}
+    for kind in kinds.split(","):
+        if kind not in ("dflash", "dflash2"):
+            raise SystemExit(f"--kinds: expected a comma list of dflash, dflash2, got {kind!r}")
+        out[kind] = drafter if kind == "dflash" else upgraded(drafter, DrafterSettings(kind=kind))
+    return out
 
 
 def check_features(target: Target, ids: torch.Tensor, layer_ids: list[int]) -> list[dict]:
@@ -512,6 +530,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (seed 0): each speculative method under both acceptance rules, "
                     "'match' and 'rejection' (decode/accept.py), side by side")
+    ap.add_argument("--kinds", default="dflash", help="comma list of drafter kinds timed side by side: dflash, dflash2 "
+                    "(the reference DFlash 2 modules on the same backbone)")
     ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
     ap.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                     help="the batched table's tokens drafted a round (default: the drafter's block_size - 1)")
@@ -568,28 +588,31 @@ def main() -> int:
     chosen = engines(device, compile_ok=True, hybrid=hybrid)
     if args.engines:
         chosen = {k: v for k, v in chosen.items() if k in args.engines.split(",")}
+    drafters = kind_drafters(drafter, args.kinds)
+    runs = [(kind, m) for kind in drafters for m in methods if m[0] != "ar" or kind == next(iter(drafters))]
     for name, make in chosen.items():
-        for method, budget, rule in methods:
+        for kind, (method, budget, rule) in runs:
             if time.perf_counter() - t_start > args.time_limit:
                 print(f"time limit reached: skipping {name} {method} {budget or ''}", flush=True)
                 continue
-            label = (method if budget is None else f"{method}-{budget}") + (f"+{rule}" if len(rules) > 1 and method != "ar" else "")
+            label = (method if budget is None else f"{method}-{budget}") + (f"+{rule}" if len(rules) > 1 and method != "ar" else "") \
+                + ("" if kind == "dflash" or method == "ar" else f" [{kind}]")
             eng = None
             try:
-                eng = make(target, drafter if method != "ar" else None)
+                eng = make(target, drafters[kind] if method != "ar" else None)
                 n = args.hf_new_tokens if name in ("hf", "static") else args.new_tokens
                 r = measure(eng, ids, method, budget, n, args.top_k, args.temperature, rule)
                 if hybrid:
                     r.update(state_memory(eng))
             except Exception as e:  # report and go on: one engine failing must not lose the others' numbers
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
-                print(f"{name:9s} {label:18s} FAILED {r['error']}", flush=True)
+                print(f"{name:9s} {label:28s} FAILED {r['error']}", flush=True)
             else:
                 s = r["stages_ms"]
                 floor = res.get("ar_floor_ms" if method == "ar" else "floor_ms")
                 r["x_floor"] = r["round_ms"] / floor if floor else None
                 r["tree_share"] = s.get("tree", 0.0) / r["staged_round_ms"]
-                print(f"{name:9s} {label:18s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
+                print(f"{name:9s} {label:28s} round {r['round_ms']:7.2f} ms" + (f" ({r['x_floor']:.2f}x floor)" if floor else "")
                       + "  | " + " ".join(f"{k} {v:.2f}" for k, v in s.items()) + f" | tree {100 * r['tree_share']:.1f}%", flush=True)
             if args.kernels and "error" not in r:
                 r["kernels"] = kernel_table(functools.partial(generate, eng, ids, max_new_tokens=n, method=method, budget=budget,
@@ -604,14 +627,14 @@ def main() -> int:
             del eng
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\n{'engine':9s} {'method':18s} {'round ms':>9s} {'x floor':>8s} {'draft':>7s} {'tree':>7s} {'verify':>7s} {'commit':>7s} {'tree %':>7s}")
+    print(f"\n{'engine':9s} {'method':28s} {'round ms':>9s} {'x floor':>8s} {'draft':>7s} {'tree':>7s} {'verify':>7s} {'commit':>7s} {'tree %':>7s}")
     for name, rows in res["results"].items():
         for label, r in rows.items():
             if "error" in r:
                 continue
             s = r["stages_ms"]
             xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else "-"
-            print(f"{name:9s} {label:18s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
+            print(f"{name:9s} {label:28s} {r['round_ms']:9.2f} {xf:>8s} {s.get('draft', 0):7.2f} {s.get('tree', 0):7.2f} "
                   f"{s.get('verify', 0):7.2f} {s.get('commit', 0):7.2f} {100 * r['tree_share']:6.1f}%")
     if args.batches:
         res["batched"] = batch_rows(target, drafter, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, device,
