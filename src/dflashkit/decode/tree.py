@@ -124,16 +124,15 @@ class Lattice(NamedTuple):
 
 def lattice_walk(lattice: Lattice) -> Trees:
     """DFlash 2's chain: from the bonus, each slot's most likely candidate after the one chosen
-    before it (S small gathers, no host read), scored by its summed log-probabilities."""
+    before it, scored by its summed log-probabilities. Every row's best is found at once; the walk
+    is then one small gather per slot (no host read)."""
     tokens, logprobs = lattice
-    b, S, K = tokens.shape
-    row = tokens.new_zeros(b, 1)  # slot 0's rows all follow the bonus
-    chosen, lps = [], []
-    for s in range(S):
-        lp, row = logprobs[:, s].gather(1, row[..., None].expand(-1, 1, K))[:, 0].max(-1, keepdim=True)
-        chosen.append(tokens[:, s].gather(1, row))
-        lps.append(lp)
-    return chains(torch.cat(chosen, 1), torch.cat(lps, 1).cumsum(1))
+    lp, best = logprobs.max(-1)  # [b, S, K]: each row's best candidate and its log-prob
+    rows = [best.new_zeros(best.shape[0], 1)]  # slot 0's rows all follow the bonus
+    for s in range(tokens.shape[1]):
+        rows.append(best[:, s].gather(1, rows[-1]))
+    before, chosen = torch.cat(rows[:-1], 1), torch.cat(rows[1:], 1)  # [b, S]: the row of each slot, its choice
+    return chains(tokens.gather(2, chosen[..., None])[..., 0], lp.gather(2, before[..., None])[..., 0].cumsum(1))
 
 
 def lattice_tree(lattice: Lattice, budget: int, top_k: int | None) -> Trees:
