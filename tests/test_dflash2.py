@@ -14,6 +14,7 @@ from test_decode import ENGINES, Oracle, expected_taus, greedy_reference, ragged
 from test_evaluate import LABELS, _greedy_data, _train
 from dflashkit.data.features import FeatureSample
 from dflashkit.decode.engine import Draft, Engine
+from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode.tree import Lattice, draft_trees, drafted, lattice_tree, lattice_walk
 from dflashkit.evaluate import draft_spans, drafted_blocks, offline_accepted, replay_rounds
@@ -109,8 +110,8 @@ DFLASH2_METHODS = [("dflash", None), ("ddtree", 6), ("ddtree", 30)]
 @pytest.mark.parametrize("engine", ["hf", "static", "padded"])
 def test_dflash2_greedy_equals_autoregressive(tiny_target, engine):
     """A DFlash 2 drafter (every module random) decodes its walk and its lattice trees: the
-    tokens are the target's own greedy tokens, alone and in a ragged batch, also cost-aware
-    (which reads the walk's scores)."""
+    tokens are the target's own greedy tokens, alone and in a ragged batch cost-aware (which
+    reads the walk's and the trees' scores)."""
     drafter = make_tiny_family(tiny_target, "dflash2")
     prompts = ragged_prompts(1, (20, 7, 33))
     refs = [greedy_reference(tiny_target, p, 20) for p in prompts]
@@ -118,8 +119,26 @@ def test_dflash2_greedy_equals_autoregressive(tiny_target, engine):
         g = generate(ENGINES[engine](tiny_target, drafter), prompts[0], max_new_tokens=20, method=method, budget=budget)
         assert g.tokens == refs[0], (method, budget)
         gens = generate_batch(ENGINES[engine](tiny_target, drafter), prompts, max_new_tokens=20, method=method,
-                              budget=budget, cost_aware=method == "dflash")
+                              budget=budget, cost_aware=True)
         assert [g.tokens for g in gens] == refs, (method, budget)
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 6)])
+def test_dflash2_rejection_rows_decode_as_alone(engine, method, budget):
+    """The rejection rule through the engine with a DFlash 2 drafter (`Rejection.draft` over the
+    lattice, `Steps.sample_lattice`): in a batch of a greedy row and a sampled row, each row's
+    tokens and τ per round equal its own decoded alone, and the greedy row's are the target's."""
+    target = make_tiny_target(num_layers=2, hidden=32, vocab=64, seed=4)
+    drafter = make_tiny_family(target, "dflash2", num_layers=1, num_taps=1, block_size=4)
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2])]
+    samplings = [Sampling(), Sampling(0.8, 0.9, seed=3)]
+    kw = dict(max_new_tokens=12, method=method, budget=budget, acceptance="rejection")
+    batch = generate_batch(ENGINES[engine](target, drafter), prompts, sampling=samplings, **kw)
+    for prompt, sampling, together in zip(prompts, samplings, batch):
+        alone = generate(ENGINES[engine](target, drafter), prompt, sampling=sampling, **kw)
+        assert (together.tokens, together.accept_lengths) == (alone.tokens, alone.accept_lengths)
+    assert batch[0].tokens == greedy_reference(target, prompts[0][None], 12)
 
 
 def oracle_lattice(seq: list[int], V: int, B: int, runner_up: bool):
