@@ -334,6 +334,27 @@ def test_anchor_first_decoding_drafts_a_whole_block(tiny_target, method, budget)
     assert g.tokens == ref[:2 * (B + 1) + 1] and g.accept_lengths[:2] == [B + 1, B + 1]
 
 
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 6)])
+def test_dspark_sampled_rows_under_the_rejection_rule(tiny_target, method, budget):
+    """A DSpark drafter's rounds under the rejection rule (each node's q its biased conditional,
+    `accept.markov_tokens`): a greedy row and a sampled row share a batch, each as it decodes
+    alone, the greedy one the target's argmax path (docs/conventions.md; exactness:
+    tests/test_sampling.py)."""
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.generation import Sampling
+    from dflashkit.decode.loop import generate, generate_batch
+
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(markov_head_type="gated"))
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2])]
+    samplings = [Sampling(), Sampling(0.8, 0.9, seed=3)]
+    kw = dict(max_new_tokens=12, method=method, budget=budget, acceptance="rejection")
+    batch = generate_batch(Engine(tiny_target, drafter), prompts, sampling=samplings, **kw)
+    for prompt, sampling, together in zip(prompts, samplings, batch):
+        alone = generate(Engine(tiny_target, drafter), prompt, sampling=sampling, **kw)
+        assert (together.tokens, together.accept_lengths) == (alone.tokens, alone.accept_lengths)
+    assert batch[0].tokens == generate(Engine(tiny_target), prompts[0], max_new_tokens=12, method="ar").tokens
+
+
 @pytest.mark.parametrize("budget", [None, 8])
 @torch.no_grad()
 def test_the_confidence_head_decides_how_much_to_verify(tiny_target, budget):

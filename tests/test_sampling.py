@@ -9,17 +9,19 @@ from datahelpers import one_thread  # noqa: F401
 from test_decode import _chi2_pvalue
 
 from dflashkit.decode import accept
-from dflashkit.decode.accept import (Settings, expected_acceptance, lattice_tokens, picked_tokens, sampled_tokens,
-                                     uniforms)
+from dflashkit.decode.accept import (Settings, expected_acceptance, lattice_tokens, markov_tokens, picked_tokens,
+                                     sampled_tokens, uniforms)
 from dflashkit.decode.tree import Lattice, ancestors, draft_trees, walk
 from dflashkit.decode.generation import Sampling, distribution, draw
-from dflashkit.family import CandidateSelector
+from dflashkit.decode.markov import MarkovDraft, markov_chain, markov_tree
+from dflashkit.family import CandidateSelector, MarkovHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, S, N, STEPS = 5, 3, 100_000, 3  # vocabulary, draft slots, continuations, tokens per continuation
 K = 4  # a DFlash 2 drafter's candidates per slot
 SELECTOR_STD = 0.6  # its weights: rows that differ (each node's own q matters) and drafts still accepted often
+MARKOV_STD = 0.8  # a DSpark drafter's Markov head's weights, alike
 CONTEXT = (0, 1)  # the last two tokens before the answer
 
 
@@ -40,6 +42,10 @@ class Markov:
         with torch.no_grad():
             for w in self.selector.parameters():
                 w.copy_(SELECTOR_STD * torch.randn(w.shape, generator=g))
+        self.markov = {kind: MarkovHead(V, 2 * V, rank=4, kind=kind) for kind in ("vanilla", "rnn")}
+        with torch.no_grad():  # a bias as large as the unary logits: each node's q its own
+            for w in (w for head in self.markov.values() for w in head.parameters()):
+                w.copy_(MARKOV_STD * torch.randn(w.shape, generator=g))
 
     def target(self, last: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
         return self.A[last] + self.C[before]
@@ -54,6 +60,12 @@ class Markov:
         with torch.no_grad():
             return Lattice(*self.selector.lattice(hidden, self.drafter(last, before), last))
 
+    def spark(self, last: torch.Tensor, before: torch.Tensor, kind: str) -> MarkovDraft:
+        """The DSpark drafter's draft: the DFlash tables' logits biased by a Markov head of `kind`
+        after each slot's token before, its hidden state the round's context (one-hot)."""
+        hidden = torch.cat([torch.eye(V)[last], torch.eye(V)[before]], -1)[:, None].expand(-1, S, -1)
+        return MarkovDraft(self.drafter(last, before), hidden, last, self.markov[kind], None, False)
+
     def exact(self, sampling: Sampling) -> torch.Tensor:
         """P(x1, x2, x3) [V**3] under the target's own (temperature, top-p) sampling."""
         seqs = torch.tensor([CONTEXT])
@@ -66,10 +78,11 @@ class Markov:
 
 
 def speculative(model: Markov, sampling: Sampling, budget: int | None, lattice: bool = False,
-                seed: int = 0) -> tuple[torch.Tensor, float]:
+                spark: str | None = None, seed: int = 0) -> tuple[torch.Tensor, float]:
     """N continuations of STEPS tokens by rounds of the rejection rule (the context's last token
-    is the first round's bonus), from the DFlash drafter or (lattice) the DFlash 2 one -> (the
-    tokens [N, STEPS], the mean accepted draft tokens of the first round)."""
+    is the first round's bonus), from the DFlash drafter, (lattice) the DFlash 2 one or (spark:
+    its Markov head's kind) the DSpark one -> (the tokens [N, STEPS], the mean accepted draft
+    tokens of the first round)."""
     g = torch.Generator().manual_seed(seed)
     before, last = torch.full((N,), CONTEXT[0]), torch.full((N,), CONTEXT[1])
     out, count = torch.full((N, STEPS), -1), torch.zeros(N, dtype=torch.long)
@@ -79,9 +92,15 @@ def speculative(model: Markov, sampling: Sampling, budget: int | None, lattice: 
         seeds = torch.randint(0, 2**62, (N,), generator=g)
         dlogits = model.drafter(last, before)
         lat = model.lattice(last, before) if lattice else None
-        shape = draft_trees(dlogits, last, budget, None, lattice=lat)[0]  # the match rule's trees
-        tokens, drawn = sampled_tokens(dlogits, shape, settings, seeds) if lat is None else \
-            lattice_tokens(lat, shape, settings, seeds, V)
+        if spark is not None:
+            with torch.no_grad():
+                draft = model.spark(last, before, spark)
+                shape = markov_chain(draft) if budget is None else markov_tree(draft, budget, None)
+                tokens, drawn = markov_tokens(draft, shape, settings, seeds)
+        else:
+            shape = draft_trees(dlogits, last, budget, None, lattice=lat)[0]  # the match rule's trees
+            tokens, drawn = sampled_tokens(dlogits, shape, settings, seeds) if lat is None else \
+                lattice_tokens(lat, shape, settings, seeds, V)
         trees = shape._replace(tokens=tokens)
         nodes = torch.cat([last[:, None], tokens], 1)  # [N, m+1]: the bonus, then the nodes
         parents = torch.cat([before[:, None], nodes.gather(1, trees.parents)], 1)
@@ -114,7 +133,8 @@ def pvalue(model: Markov, tokens: torch.Tensor, sampling: Sampling) -> float:
 
 
 SETTINGS = [Sampling(0.7, 0.9), Sampling(1.0, 0.9)]
-METHODS = {"chain": (None, False), "tree": (6, False), "dflash2-chain": (None, True), "dflash2-tree": (6, True)}
+METHODS = {"chain": (None, False), "tree": (6, False), "dflash2-chain": (None, True), "dflash2-tree": (6, True),
+           "dspark-chain": (None, False, "rnn"), "dspark-tree": (6, False, "vanilla")}
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["T0.7", "T1.0"])
@@ -176,6 +196,26 @@ def test_dflash2_needs_each_nodes_own_q(method, monkeypatch):
     """DFlash 2 under the rejection rule with the q of each slot's last row instead of each
     node's own (T 0.7, top-p 0.9): the same test rejects it."""
     monkeypatch.setitem(globals(), "lattice_tokens", _last_row_q)
+    model, sampling = Markov(), SETTINGS[0]
+    tokens, _ = speculative(model, sampling, *METHODS[method])
+    assert pvalue(model, tokens, sampling) < 1e-6
+
+
+def _unbiased_q(spark: MarkovDraft, shape, settings: Settings, seeds: torch.Tensor):
+    """A wrong rule for DSpark: each node's children drawn from its own biased conditional, but
+    the rule handed its slot's q without the Markov bias (the unary logits')."""
+    tokens, drawn = accept.markov_tokens(spark, shape, settings, seeds)
+    b, slots, vocab = spark.unary.shape
+    depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1).clamp(max=slots - 1)
+    q = distribution(spark.unary, *settings.rows(slots))
+    return tokens, drawn._replace(q=q.gather(1, depth[..., None].expand(-1, -1, vocab)))
+
+
+@pytest.mark.parametrize("method", ["dspark-chain", "dspark-tree"])
+def test_dspark_needs_each_nodes_own_q(method, monkeypatch):
+    """DSpark under the rejection rule with the unbiased q of each node's slot instead of its
+    own biased conditional (T 0.7, top-p 0.9): the same test rejects it."""
+    monkeypatch.setitem(globals(), "markov_tokens", _unbiased_q)
     model, sampling = Markov(), SETTINGS[0]
     tokens, _ = speculative(model, sampling, *METHODS[method])
     assert pvalue(model, tokens, sampling) < 1e-6

@@ -20,6 +20,9 @@ chance is 1 − TV(p, q), and the output is still exactly the target's distribut
   DFlash 2         the same, with each node's q its own: the selector's conditional after the
                    node's token, over the next slot's candidates (`lattice_tokens`); a chain
                    is drawn slot by slot, each slot from the row of the draw before.
+  DSpark           the same, each node's q the Markov-biased conditional after its own path
+                   (`markov_tokens`, over the whole vocabulary; eager on a graph engine: its q
+                   comes from the drafter's Markov head, node by node).
 
 Every node's outcome (`picked_tokens`) is computed at once, then `tree.walk` follows them: no
 loop over depths and no host read. The two steps are about 140 small kernels a round; an engine
@@ -48,6 +51,7 @@ from torch import Tensor
 
 from dflashkit.decode.cache import to_device
 from dflashkit.decode.generation import Sampling, distribution, draw
+from dflashkit.decode.markov import MarkovDraft, conditionals
 from dflashkit.decode.tree import Lattice, Trees, Walk, walk
 from dflashkit.method import Method
 
@@ -196,6 +200,32 @@ def lattice_tokens(lattice: Lattice, shape: Trees, settings: Settings, seeds: Te
     return tokens, Drawn(dense, drawn.flatten(1).gather(1, at), u[:, S * K:].view(b, 2, m + 1), True)
 
 
+def markov_tokens(spark: MarkovDraft, shape: Trees, settings: Settings, seeds: Tensor) -> tuple[Tensor, Drawn]:
+    """`sampled_tokens` for a DSpark draft (`decode.markov`) and the trees the match rule drafts
+    from it -> (the rejection rule's tokens [b, m], `Drawn` per node). A node's q is the
+    Markov-biased conditional after its own path (its token, its `rnn` state), for its children;
+    its draw is placed among its children as `sampled_tokens` places a slot's. A node's q follows
+    its token, which may be its parent's draw: depth by depth, one pass each."""
+    b, m = shape.tokens.shape
+    S, V = spark.unary.shape[1:]
+    u = uniforms(seeds, _ROUND, (3 * (m + 1),))
+    depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1)  # [b, m+1]
+    parents = torch.cat([shape.parents.new_zeros(b, 1), shape.parents], 1)
+    tokens, q = shape.tokens, spark.unary.new_zeros(b, m + 1, V, dtype=torch.float32)
+    drawn, state = depth.new_zeros(b, m + 1), None
+    for d in range(S):  # the nodes of depth d have their final tokens: their draws settle depth d + 1
+        level = (depth == d)[..., None]
+        nodes = torch.cat([spark.first[:, None], tokens], 1)
+        before = None if state is None else state.gather(1, parents[..., None].expand(-1, -1, state.shape[-1]))
+        logits, _, after = conditionals(spark, d, nodes, before)
+        qd = distribution(logits, *settings.rows(m + 1))  # [b, m+1, V]
+        q = torch.where(level, qd, q)
+        drawn = torch.where(level[..., 0], draw(qd.flatten(0, 1), u[:, :m + 1].flatten()).view(b, m + 1), drawn)
+        state = None if after is None else after if state is None else torch.where(level, after, state)
+        tokens = _placed(shape, drawn.gather(1, shape.parents))
+    return tokens, Drawn(q, drawn, u[:, m + 1:].view(b, 2, m + 1), True)
+
+
 def residual(p: Tensor, q: Tensor) -> Tensor:
     """What is drawn on a rejection: norm(max(0, p − q)) over the last dimension (p where the
     difference vanishes: p and q equal up to rounding, where a rejection is itself rounding)."""
@@ -290,11 +320,14 @@ class Rejection:
         mask = to_device(greedy, device, torch.bool) if any(greedy) else None
         return cls(Settings.of(samplings, device), round_seeds(gens, device), mask, steps)
 
-    def draft(self, dlogits: Tensor, trees: Trees, lattice: Lattice | None = None) -> Trees:
-        """The drafter's logits [b, S, V] (and a DFlash 2 drafter's lattice) and the trees the
-        engine drafted from them -> the same trees, each sampling row's tokens drawn from the
-        drafter's distributions (`sampled_tokens`, `lattice_tokens`); greedy rows keep theirs."""
-        if lattice is None:
+    def draft(self, dlogits: Tensor, trees: Trees, lattice: Lattice | MarkovDraft | None = None) -> Trees:
+        """The drafter's logits [b, S, V] (and a DFlash 2 drafter's lattice, or a DSpark
+        drafter's Markov draft) and the trees the engine drafted from them -> the same trees, each
+        sampling row's tokens drawn from the drafter's distributions (`sampled_tokens`,
+        `lattice_tokens`, `markov_tokens`); greedy rows keep theirs."""
+        if isinstance(lattice, MarkovDraft):  # (eagerly: its q comes from the drafter's heads, node by node)
+            tokens, self.drawn = markov_tokens(lattice, trees, self.settings, self.seeds)
+        elif lattice is None:
             tokens, self.drawn = self.steps.sample(dlogits, *trees, *self.settings, self.seeds)
         else:
             tokens, self.drawn = self.steps.sample_lattice(*lattice, *trees, *self.settings, self.seeds,

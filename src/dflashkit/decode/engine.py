@@ -108,7 +108,7 @@ class Draft(NamedTuple):
     tokens: Tensor
     depths: Tensor
     ancestors: Tensor
-    lattice: Lattice | None = None
+    lattice: Lattice | MarkovDraft | None = None  # (a DSpark drafter's Markov draft)
 
     def retokened(self, trees: Trees) -> Draft:
         """The same draft over other tokens of the same trees (the rejection rule's draws)."""
@@ -386,7 +386,7 @@ class Engine:
             d = self.drafter
             spark = MarkovDraft(logits, hidden, bonus, d.markov(), d.confidence(), d.config.confidence_head_with_markov)
             trees = markov_chain(spark) if budget is None else markov_tree(spark, budget, top_k)
-            return Draft(logits, trees, *verification(bonus, trees, chain=budget is None))
+            return Draft(logits, trees, *verification(bonus, trees, chain=budget is None), spark)
         selector = self.drafter.selector()
         lattice = None if selector is None else Lattice(*selector.lattice(hidden, logits, bonus))
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored, lattice), lattice)
