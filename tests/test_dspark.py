@@ -377,3 +377,37 @@ def test_the_confidence_head_decides_how_much_to_verify(tiny_target, budget):
         if budget is None:  # the running sums of log sigmoid(confidence)
             torch.testing.assert_close(draft.trees.scores, (F.logsigmoid(torch.tensor(sure)) * torch.arange(1, 9)).expand(2, -1))
         assert curve.best_width(cost.tree_expectation(draft.trees.scores)) == width
+
+
+@pytest.mark.parametrize("first", [True, False])
+@torch.no_grad()
+def test_offline_dspark_tau_equals_online(tiny_target, first):
+    """Mistake 8 for DSpark: rounds replayed from cached features (`offline_accepted`: the same
+    biased chain and tree, both layouts) are exactly the online greedy rounds. The Markov head holds
+    the tiny target's next token after each token (a third of them wrong), so τ varies."""
+    from dflashkit.data.features import FeatureSample
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.loop import generate
+    from dflashkit.evaluate import offline_accepted, replay_rounds
+    from test_decode import greedy_reference
+
+    V = tiny_target.vocab_size
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(
+        markov_rank=V, enable_confidence_head=False, confidence_head_with_markov=False, sample_from_anchor=first))
+    nxt = tiny_target.model(torch.arange(V)[:, None]).logits[:, -1].argmax(-1)
+    nxt = torch.where(torch.arange(V) % 3 == 0, (nxt + 1) % V, nxt)
+    drafter.markov().markov_w1.weight.copy_(torch.eye(V))
+    drafter.markov().markov_w2.weight.copy_(20 * F.one_hot(nxt, V).T.float())
+    labels = [("dflash", "dflash", None), ("ddtree-6", "ddtree", 6)]
+    seen = set()
+    for prompt in ([5, 9, 11, 3, 40], [7, 8, 2, 60, 61]):
+        ids = torch.tensor([prompt])
+        seq = torch.tensor(prompt + greedy_reference(tiny_target, ids, 30))
+        mask = torch.arange(len(seq)) >= len(prompt)
+        item = FeatureSample("x", seq, mask, tiny_target.forward(seq[None], drafter.config.target_layer_ids).features[0])
+        acc, spans = offline_accepted(drafter, tiny_target, item, labels, top_k=None)
+        for label, method, budget in labels:
+            online = generate(Engine(tiny_target, drafter), ids, max_new_tokens=30, method=method, budget=budget)
+            assert replay_rounds(acc[label], spans)[0] == online.accept_lengths, (label, prompt)
+            seen.update(online.accept_lengths)
+    assert len(seen) >= 3

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
-from dflashkit.decode.markov import MarkovDraft, markov_chain, markov_tree
+from dflashkit.decode.markov import MarkovDraft, markov_trees
 from dflashkit.decode.tree import Lattice, Trees, Walk, causal, draft_trees, verification, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step, write_context
 from dflashkit.kernels.packed import lm_head
@@ -382,10 +382,9 @@ class Engine:
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
                     budget: int | None, top_k: int | None, scored: bool) -> Draft:
         hidden, logits = self.draft_logits(feats, bonus, ctx_start, start, n)
-        if self.drafter.config.kind == "dspark":  # each slot's logits after the token drafted before it
-            d = self.drafter
-            spark = MarkovDraft(logits, hidden, bonus, d.markov(), d.confidence(), d.config.confidence_head_with_markov)
-            trees = markov_chain(spark) if budget is None else markov_tree(spark, budget, top_k)
+        spark = MarkovDraft.of(self.drafter, logits, hidden, bonus)
+        if spark is not None:  # DSpark: each slot's logits after the token drafted before it
+            trees = markov_trees(spark, budget, top_k)
             return Draft(logits, trees, *verification(bonus, trees, chain=budget is None), spark)
         selector = self.drafter.selector()
         lattice = None if selector is None else Lattice(*selector.lattice(hidden, logits, bonus))

@@ -33,6 +33,13 @@ class MarkovDraft(NamedTuple):
     confidence: Any  # family.ConfidenceHead, or None
     with_markov: bool  # the confidence head reads the Markov embedding of the token before
 
+    @classmethod
+    def of(cls, drafter: Any, unary: Tensor, hidden: Tensor, first: Tensor) -> MarkovDraft | None:
+        """A DSpark drafter's draft from its pass (None for the other kinds)."""
+        if drafter.config.kind != "dspark":
+            return None
+        return cls(unary, hidden, first, drafter.markov(), drafter.confidence(), drafter.config.confidence_head_with_markov)
+
 
 def conditionals(draft: MarkovDraft, s: int, prev: Tensor, state: Tensor | None
                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -68,6 +75,11 @@ def markov_chain(draft: MarkovDraft) -> Trees:
         tokens.append(prev)
         scores.append(best if conf is None else conf)
     return chains(torch.cat(tokens, 1), torch.cat(scores, 1).cumsum(1))
+
+
+def markov_trees(draft: MarkovDraft, budget: int | None, top_k: int | None) -> Trees:
+    """Each row's tree: budget None, the chain (`markov_chain`); else `markov_tree`."""
+    return markov_chain(draft) if budget is None else markov_tree(draft, budget, top_k)
 
 
 def markov_tree(draft: MarkovDraft, budget: int, top_k: int | None) -> Trees:

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from dflashkit.decode.markov import MarkovDraft, markov_trees
 from dflashkit.decode.tree import Lattice, Trees, candidates, drafted, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.evaluate.summary import method_labels, summarize
@@ -55,12 +56,14 @@ def draft_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, spans: list[tuple[int, int]],
-                   chunk: int = 32) -> Iterator[tuple[list[int], Tensor, Lattice | None, Tensor, Tensor]]:
+                   chunk: int = 32) -> Iterator[tuple[list[int], Tensor, Lattice | MarkovDraft | None, Tensor, Tensor]]:
     """The drafter's block at every position p of `item`'s answer spans (`draft_spans`; bonus =
-    token p, context < p), `chunk` positions at a time: (positions, logits [n, B-1, V], a DFlash 2
-    drafter's lattice over them (else None), bonus tokens [n], truth [n, B]: the data's token
-    after depth d of a tree rooted at p, -1 past the answer, where nothing matches)."""
+    token p, context < p), `chunk` positions at a time: (positions, logits [n, S, V] of its S
+    drafting slots, a DFlash 2 drafter's lattice over them or a DSpark drafter's Markov draft (else
+    None), bonus tokens [n], truth [n, S + 1]: the data's token after depth d of a tree rooted at
+    p, -1 past the answer, where nothing matches)."""
     B, dev = drafter.config.block_size, head.device
+    first, S = drafter.config.draft_slots.start, len(drafter.config.draft_slots)
     ids = item.input_ids.long().to(dev)
     anchors = [p for a, e in spans for p in range(a, e - 1)]
     end_of = {p: e for a, e in spans for p in range(a, e - 1)}
@@ -68,12 +71,13 @@ def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, span
     for i in range(0, len(anchors), chunk):
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
-        h = h.view(len(part), B, -1)[:, 1:]
+        h = h.view(len(part), B, -1)[:, first:]
         logits = head.lm_head(h)
         at = torch.tensor(part, device=dev)
         selector = drafter.selector()
-        lattice = None if selector is None else Lattice(*selector.lattice(h, logits, ids[at]))
-        pos = at[:, None] + 1 + torch.arange(B, device=dev)
+        lattice = MarkovDraft.of(drafter, logits, h, ids[at]) or (
+            None if selector is None else Lattice(*selector.lattice(h, logits, ids[at])))
+        pos = at[:, None] + 1 + torch.arange(S + 1, device=dev)
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
         yield part, logits, lattice, ids[at], torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
 
@@ -91,7 +95,8 @@ def offline_accepted(drafter: DFlashDrafter, head: Target, item: FeatureItem, la
         top = torch.log_softmax(logits.float(), -1).topk(max(ks), dim=-1) if ks and lattice is None else None
         for label, method, budget in labels:
             chain = method == "dflash"
-            trees = drafted(logits, None if chain else budget, top_k, lattice=lattice, top=top)
+            trees = markov_trees(lattice, None if chain else budget, top_k) if isinstance(lattice, MarkovDraft) else \
+                drafted(logits, None if chain else budget, top_k, lattice=lattice, top=top)
             out[label].update(zip(part, accepted(trees, roots, truth, chain).tolist()))
     return out, spans
 
