@@ -202,7 +202,7 @@ def test_a_handed_on_output_replaces_only_an_earlier_output_of_its_command(tiny_
     target = tmp_path / "target"
     shutil.copytree(model, target)
     files = {p.name: p.read_bytes() for p in target.iterdir()}
-    _refused(["export", str(_bundled()), "--out", str(target)], capsys, f"{target}: not a drafter directory")
+    _refused(["export", str(_bundled()), "--out", str(target)], capsys, f"{target}: not an empty directory or a drafter's")
     assert {p.name: p.read_bytes() for p in target.iterdir()} == files
     for _ in range(2):
         assert cli_main(["export", str(_bundled()), "--out", str(tmp_path / "exported")]) == 0

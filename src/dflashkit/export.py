@@ -258,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.verifier is not None:
         raise ValueError("--verifier applies to --format speculators only")
     with output_path(out, "export", is_export_dir,  # nothing of ours inside what is handed on
-                     "a drafter directory (its config.json a drafter's) or a new one"):
+                     "an empty directory or a drafter's (a drafter's config.json, model.safetensors, dflash.py, "
+                     "SHA256SUMS and nothing else)"):
         export(drafter, out, fmt, **kw)
     c = drafter.config
     print(f"exported {args.drafter} -> {out} ({fmt}): {c.num_hidden_layers} layers, taps {c.target_layer_ids}, "
