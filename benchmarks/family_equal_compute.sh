@@ -20,7 +20,7 @@ dflashkit() { python3 -m dflashkit.cli "$@"; }
 train() {  # NAME, then overrides
   local name=$1; shift
   local t0=$SECONDS
-  dflashkit train --config "$CFG" "${GPU[@]}" train.output_dir="$WORK/$name" data.tokenized="$WORK/data/tokenized.jsonl" \
+  dflashkit train --auto-resume --config "$CFG" "${GPU[@]}" train.output_dir="$WORK/$name" data.tokenized="$WORK/data/tokenized.jsonl" \
       train.max_steps="$STEPS" train.eval_every=$((STEPS / 2)) train.eval_samples=48 "$@"
   echo "{\"run\": \"$name\", \"steps\": $STEPS, \"wall_s\": $((SECONDS - t0))}" >> "$WORK/wall.jsonl"
 }
