@@ -411,3 +411,36 @@ def test_offline_dspark_tau_equals_online(tiny_target, first):
             assert replay_rounds(acc[label], spans)[0] == online.accept_lengths, (label, prompt)
             seen.update(online.accept_lengths)
     assert len(seen) >= 3
+
+
+@pytest.mark.parametrize("kind,first", [("rnn", True), ("rnn", False), ("gated", False)])
+@torch.no_grad()
+def test_dspark_parity_biased_logits_and_confidences(tiny_target, kind, first):
+    """For the same context, the training path's Markov-biased logits and confidences of a block
+    (teacher-forced predecessors, `MarkovHead.forward`) equal the inference path's (the engine's
+    draft pass, `markov.conditionals` along the same tokens, the recurrent state carried from the
+    block's first slot, bonus-first too)."""
+    from dflashkit.decode.cache import drafter_cache
+    from dflashkit.decode.markov import MarkovDraft, conditionals, log_confidence
+    from dflashkit.drafter import draft_block
+    from dflashkit.objective import block_predecessors
+
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(markov_head_type=kind, sample_from_anchor=first))
+    B, a = drafter.config.block_size, 17
+    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(0))
+    feats = tiny_target.forward(ids, drafter.config.target_layer_ids, logits=False).features
+    W = tiny_target.model.get_output_embeddings().weight
+    slots = drafter.config.draft_slots
+    h_train = training_hidden(drafter, tiny_target.embed, ids, feats, torch.tensor([[3, a, 29]]))[:, B:2 * B]
+    preds = block_predecessors(ids, torch.tensor([[a]]), B, first)  # [1, B]
+    train_logits, emb = drafter.markov()(preds, h_train, lambda u, e, w2: (h_train @ W.T + u @ w2.T, e))
+    train_conf = F.logsigmoid(drafter.confidence()(torch.cat([h_train, emb], -1)))
+    cache = drafter_cache(drafter)
+    draft_block(drafter, tiny_target.embed, cache, feats[:, :9], ids[:, 9])
+    block = draft_block(drafter, tiny_target.embed, cache, feats[:, 9:a], ids[:, a])
+    spark = MarkovDraft.of(drafter, tiny_target.lm_head(block[:, slots.start:]), block, ids[:, a])
+    state = spark.state
+    for s, k in enumerate(slots):
+        logits, e, state = conditionals(spark, s, preds[:, k:k + 1], state)
+        torch.testing.assert_close(logits[:, 0], train_logits[:, k], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(log_confidence(spark, s, e, 1)[:, 0], train_conf[:, k], atol=1e-5, rtol=1e-4)

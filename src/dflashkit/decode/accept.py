@@ -212,7 +212,7 @@ def markov_tokens(spark: MarkovDraft, shape: Trees, settings: Settings, seeds: T
     depth = torch.cat([shape.depths.new_zeros(b, 1), shape.depths], 1)  # [b, m+1]
     parents = torch.cat([shape.parents.new_zeros(b, 1), shape.parents], 1)
     tokens, q = shape.tokens, spark.unary.new_zeros(b, m + 1, V, dtype=torch.float32)
-    drawn, state = depth.new_zeros(b, m + 1), None
+    drawn, state = depth.new_zeros(b, m + 1), None if spark.state is None else spark.state.expand(-1, m + 1, -1)
     for d in range(S):  # the nodes of depth d have their final tokens: their draws settle depth d + 1
         level = (depth == d)[..., None]
         nodes = torch.cat([spark.first[:, None], tokens], 1)

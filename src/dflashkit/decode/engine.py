@@ -368,24 +368,26 @@ class Engine:
 
     def _draft_logits(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int
                       ) -> tuple[Tensor, Tensor]:
-        """The drafter's pass -> the hidden states [b, S, H] and logits [b, S, V] of its S drafting
-        slots (`DrafterConfig.draft_slots`: S = block - 1 either way)."""
+        """The drafter's pass -> the hidden states of the block's slots [b, S or S + 1, H] and the
+        logits [b, S, V] of its S drafting slots (`DrafterConfig.draft_slots`: S = block - 1 either
+        way; bonus-first, slot 0 drafts nothing)."""
         # Anchor-first (slot k drafts position start + k + 1): a pass of one position fewer, every slot drafting.
         a = int(self.drafter.config.sample_from_anchor)
         h = draft_step(self.drafter, self._draft_embed, self.dcache, feats.to(self.draft_dtype), bonus, ctx_start,
-                       start, n, self.block - a)[:, 1 - a:]
-        return h, (self.draft_head or self.lm_head)(h)
+                       start, n, self.block - a)
+        return h, (self.draft_head or self.lm_head)(h[:, 1 - a:])
 
     def _draft_embed(self, ids: Tensor) -> Tensor:
         return self.target.embed(ids).to(self.draft_dtype)  # (the same tensor where the dtypes agree)
 
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
                     budget: int | None, top_k: int | None, scored: bool) -> Draft:
-        hidden, logits = self.draft_logits(feats, bonus, ctx_start, start, n)
-        spark = MarkovDraft.of(self.drafter, logits, hidden, bonus)
+        block, logits = self.draft_logits(feats, bonus, ctx_start, start, n)
+        spark = MarkovDraft.of(self.drafter, logits, block, bonus)
         if spark is not None:  # DSpark: each slot's logits after the token drafted before it
             trees = markov_trees(spark, budget, top_k)
             return Draft(logits, trees, *verification(bonus, trees, chain=budget is None), spark)
+        hidden = block[:, self.drafter.config.draft_slots.start:]
         selector = self.drafter.selector()
         lattice = None if selector is None else Lattice(*selector.lattice(hidden, logits, bonus))
         return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored, lattice), lattice)

@@ -32,13 +32,22 @@ class MarkovDraft(NamedTuple):
     markov: Any  # family.MarkovHead, or None
     confidence: Any  # family.ConfidenceHead, or None
     with_markov: bool  # the confidence head reads the Markov embedding of the token before
+    state: Tensor | None = None  # [b, 1, r] `rnn`'s state entering the first drafting slot (None: zero)
 
     @classmethod
-    def of(cls, drafter: Any, unary: Tensor, hidden: Tensor, first: Tensor) -> MarkovDraft | None:
-        """A DSpark drafter's draft from its pass (None for the other kinds)."""
+    def of(cls, drafter: Any, unary: Tensor, block: Tensor, first: Tensor) -> MarkovDraft | None:
+        """A DSpark drafter's draft from its pass: unary logits [b, S, V] of the drafting slots,
+        block [b, S or S + 1, H] the hidden states of every slot of the block (None for the other
+        kinds). Bonus-first, an `rnn` head's state passes through slot 0 (after the bonus), as
+        training carries it along the whole block (`MarkovHead.block_inputs`)."""
         if drafter.config.kind != "dspark":
             return None
-        return cls(unary, hidden, first, drafter.markov(), drafter.confidence(), drafter.config.confidence_head_with_markov)
+        cfg, markov = drafter.config, drafter.markov()
+        lead = cfg.draft_slots.start
+        state = None
+        if lead and markov is not None and markov.kind == "rnn":
+            state = markov.step(markov.embed(first[:, None]), block[:, :lead], None)[1]
+        return cls(unary, block[:, lead:], first, markov, drafter.confidence(), cfg.confidence_head_with_markov, state)
 
 
 def conditionals(draft: MarkovDraft, s: int, prev: Tensor, state: Tensor | None
@@ -66,7 +75,7 @@ def log_confidence(draft: MarkovDraft, s: int, emb: Tensor | None, W: int) -> Te
 def markov_chain(draft: MarkovDraft) -> Trees:
     """The greedy chain: slot s's argmax of its biased logits after the token chosen at s - 1
     (the bonus before slot 0), scored by the confidences' (else the log-probabilities') running sums."""
-    prev, state = draft.first[:, None], None
+    prev, state = draft.first[:, None], draft.state
     tokens, scores = [], []
     for s in range(draft.unary.shape[1]):
         logits, emb, state = conditionals(draft, s, prev, state)
@@ -90,7 +99,7 @@ def markov_tree(draft: MarkovDraft, budget: int, top_k: int | None) -> Trees:
     K = candidates(budget, top_k, V)
     beam = draft.unary.new_zeros(b, 1, dtype=torch.float32)  # log-probability of each beam prefix
     reach = torch.zeros_like(beam)  # its expected acceptance (log), with a confidence head
-    last, state, base = draft.first[:, None], None, 0
+    last, state, base = draft.first[:, None], draft.state, 0
     ranks, parents, tokens, depths, expect = [], [], [], [], []
     for s in range(S):
         W = beam.shape[1]

@@ -71,11 +71,12 @@ def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, span
     for i in range(0, len(anchors), chunk):
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
-        h = h.view(len(part), B, -1)[:, first:]
+        block = h.view(len(part), B, -1)
+        h = block[:, first:]
         logits = head.lm_head(h)
         at = torch.tensor(part, device=dev)
         selector = drafter.selector()
-        lattice = MarkovDraft.of(drafter, logits, h, ids[at]) or (
+        lattice = MarkovDraft.of(drafter, logits, block, ids[at]) or (
             None if selector is None else Lattice(*selector.lattice(h, logits, ids[at])))
         pos = at[:, None] + 1 + torch.arange(S + 1, device=dev)
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
