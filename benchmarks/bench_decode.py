@@ -29,7 +29,9 @@ on the same prompt, in bf16 and in fp32 (cosine, max error).
 `[dflash2]`): the same backbone with the reference DFlash 2 modules (block convolutions of 2 taps,
 groups of 16 channels; a candidate selector of rank 256 over the top 16), fresh; its rounds
 draft over the selector's lattice (the walk, the lattice's trees). What DFlash 2 costs a round
-beside DFlash's.
+beside DFlash's. `dspark`: a DSpark drafter alike (a vanilla Markov head of rank 256 and a
+confidence head, bonus-first as the backbone; its chain the sequential argmax of the biased
+logits, its trees the beam over the biased conditionals, `decode/markov.py`).
 
 Besides batch 1 per engine: `--batches 1,4,16,64` times DFlash rounds of the `fused-cd` engine at
 each batch size, at τ = 1 (random drafts) and with every draft accepted (τ = B: the acceptance
@@ -111,12 +113,13 @@ def make_models(shape: dict, device: torch.device, dtype: torch.dtype, drafter_l
 
 
 def kind_drafters(drafter: DFlashDrafter, kinds: str) -> dict[str, DFlashDrafter]:
-    """The drafters timed side by side (`--kinds`): the DFlash one, and a DFlash 2 one upgraded from
-    it with the reference modules (`DrafterSettings`' defaults: convolutions 2/16, selector 256/16)."""
+    """The drafters timed side by side (`--kinds`): the DFlash one, and DFlash 2 / DSpark ones upgraded
+    from it with the reference modules (`DrafterSettings`' defaults: convolutions 2/16, selector 256/16;
+    a vanilla Markov head of rank 256 and a confidence head)."""
     out = {}
     for kind in kinds.split(","):
-        if kind not in ("dflash", "dflash2"):
-            raise SystemExit(f"--kinds: expected a comma list of dflash, dflash2, got {kind!r}")
+        if kind not in ("dflash", "dflash2", "dspark"):
+            raise SystemExit(f"--kinds: expected a comma list of dflash, dflash2, dspark, got {kind!r}")
         out[kind] = drafter if kind == "dflash" else upgraded(drafter, DrafterSettings(kind=kind))
     return out
 
@@ -530,8 +533,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (seed 0): each speculative method under both acceptance rules, "
                     "'match' and 'rejection' (decode/accept.py), side by side")
-    ap.add_argument("--kinds", default="dflash", help="comma list of drafter kinds timed side by side: dflash, dflash2 "
-                    "(the reference DFlash 2 modules on the same backbone)")
+    ap.add_argument("--kinds", default="dflash", help="comma list of drafter kinds timed side by side: dflash, dflash2, "
+                    "dspark (the reference DFlash 2 / DSpark modules on the same backbone)")
     ap.add_argument("--batches", default="", help="comma list of batch sizes for the batched DFlash table (e.g. 1,4,16,64)")
     ap.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                     help="the batched table's tokens drafted a round (default: the drafter's block_size - 1)")
