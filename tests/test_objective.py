@@ -262,7 +262,7 @@ def test_compiled_head_tails_equal_eager():
     g = torch.Generator().manual_seed(0)
     z, zt = (torch.randn(6, 300, generator=g).to(torch.bfloat16) for _ in range(2))
     y = torch.randint(0, 300, (6,), generator=g)
-    for fn, args in ((obj._ce_chunk, (z, y, True)), (obj._kl_chunk, (z, zt, 2.0, True))):
+    for fn, args in ((obj._ce_chunk, (z, y, True)), (obj._kl_chunk, (z, zt, 2.0, True)), (obj._overlap_chunk, (z, zt))):
         got, want = torch.compile(fn, dynamic=True)(*args), fn(*args)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -194,6 +194,13 @@ def _kl_chunk(logits: Tensor, target_logits: Tensor, temperature: float, want_gr
     return kl, (temperature * (torch.exp(s - lse_s) - pt)).to(logits.dtype)
 
 
+def _overlap_chunk(logits: Tensor, target_logits: Tensor) -> Tensor:
+    """Per-row Σ_v min(q_v, p_v) at temperature 1 (q the drafter's, p the target's): through the
+    log-normalisers, so that compiled it is one pass with no fp32 [c, V] buffer."""
+    s, t = logits.float(), target_logits.float()
+    return torch.exp(torch.minimum(s - torch.logsumexp(s, -1, keepdim=True), t - torch.logsumexp(t, -1, keepdim=True))).sum(-1)
+
+
 @lru_cache(maxsize=None)
 def _fused(fn, cuda: bool):
     # On GPU the elementwise tail (upcast, logsumexp, softmax - onehot) is fused into few passes
@@ -251,7 +258,7 @@ def _head_chunk(h: Tensor, weight: Tensor, labels: Tensor, target_h: Tensor | No
     del d  # the target's pass needs a second [c, V] (its logits): drop the CE gradient first
     target_logits = target_h @ weight.T
     if bias is not None:
-        bias.overlap[:] = torch.minimum(torch.softmax(logits.float(), -1), torch.softmax(target_logits.float(), -1)).sum(-1)
+        bias.overlap[:] = _fused(_overlap_chunk, h.is_cuda)(logits, target_logits)
     if kl is None:
         return
     kl[:], dk = kl_fn(logits, target_logits, temperature, g_ce is not None)
