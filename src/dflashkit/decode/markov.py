@@ -79,7 +79,9 @@ def markov_chain(draft: MarkovDraft) -> Trees:
     tokens, scores = [], []
     for s in range(draft.unary.shape[1]):
         logits, emb, state = conditionals(draft, s, prev, state)
-        best, prev = torch.log_softmax(logits.float(), -1).max(-1)  # [b, 1]
+        logits = logits.float()
+        best, prev = logits.max(-1)  # [b, 1]
+        best = best - torch.logsumexp(logits, -1)
         conf = log_confidence(draft, s, emb, 1)
         tokens.append(prev)
         scores.append(best if conf is None else conf)
@@ -104,7 +106,9 @@ def markov_tree(draft: MarkovDraft, budget: int, top_k: int | None) -> Trees:
     for s in range(S):
         W = beam.shape[1]
         logits, emb, after = conditionals(draft, s, last, state)
-        lp, ids = torch.log_softmax(logits.float(), -1).topk(K, dim=-1)  # [b, W, K]
+        logits = logits.float()  # (top-K less the log-normaliser: no second [b, W, V] buffer)
+        lp, ids = logits.topk(K, dim=-1)  # [b, W, K]
+        lp = lp - torch.logsumexp(logits, -1, keepdim=True)
         beam, idx = (beam[..., None] + lp).flatten(1).topk(min(budget, W * K), dim=1)
         w = idx // K
         last = ids.flatten(1).gather(1, idx)
