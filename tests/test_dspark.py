@@ -444,3 +444,20 @@ def test_dspark_parity_biased_logits_and_confidences(tiny_target, kind, first):
         logits, e, state = conditionals(spark, s, preds[:, k:k + 1], state)
         torch.testing.assert_close(logits[:, 0], train_logits[:, k], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(log_confidence(spark, s, e, 1)[:, 0], train_conf[:, k], atol=1e-5, rtol=1e-4)
+
+
+def test_train_upgrades_a_dflash_drafter_to_dspark(tmp_path):
+    """`drafter.init_from` a DFlash drafter with `drafter.kind=dspark`: the run trains a DSpark
+    drafter of the DFlash drafter's (bonus-first) layout, its backbone the loaded weights."""
+    from dflashkit.checkpoint import load_drafter, save_drafter
+    from train_job import losses, make_tiny_target, run_job
+
+    target = make_tiny_target()
+    base = make_tiny_drafter(target, num_layers=2, num_taps=3, block_size=8)
+    save_drafter(base, tmp_path / "dflash")
+    out = run_job(str(tmp_path / "run"), ["train.max_steps=2", "train.eval_every=1000", "drafter.kind=dspark",
+                                          "drafter.markov_rank=8", f"drafter.init_from={tmp_path / 'dflash'}"])
+    assert all(math.isfinite(v) for v in losses(out).values())
+    trained = load_drafter(out / "final", target)
+    assert trained.config.kind == "dspark" and not trained.config.sample_from_anchor
+    assert trained.markov().markov_w2.weight.abs().sum() > 0  # trained from zero
