@@ -182,9 +182,14 @@ def test_dspark_trains_in_every_mode(tmp_path):
     extract_features(make_tiny_target(), tiny_samples(), [1, 2, 3, 5], cache, dtype="float32", shard_size=300)
     offline = run_job(str(tmp_path / "offline"), [*DSPARK, f"data.features={cache}"], samples=None)
     assert losses(offline) == pytest.approx(ref, rel=1e-5)
-    _spawn(2, [(str(tmp_path / "ddp"), DSPARK, None), (str(tmp_path / "fsdp"), [*DSPARK, "train.parallel=fsdp"], None)])
+    # DFlash 2's selector, like DSpark's heads, runs after the drafter's forward: under FSDP2 too.
+    dflash2 = [*DSPARK[3:], "drafter.kind=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4"]
+    ref2 = losses(run_job(str(tmp_path / "one2"), dflash2))
+    _spawn(2, [(str(tmp_path / "ddp"), DSPARK, None), (str(tmp_path / "fsdp"), [*DSPARK, "train.parallel=fsdp"], None),
+               (str(tmp_path / "fsdp2"), [*dflash2, "train.parallel=fsdp"], None)])
     assert losses(tmp_path / "ddp") == pytest.approx(ref, rel=1e-5)
     assert losses(tmp_path / "fsdp") == pytest.approx(ref, rel=1e-5)
+    assert losses(tmp_path / "fsdp2") == pytest.approx(ref2, rel=1e-5)
 
 
 def test_confidence_target_layer_must_not_be_an_fc_input():
