@@ -124,6 +124,37 @@ def children(trees: Trees, row: int) -> list[dict[int, int]]:
     return kids
 
 
+def node_paths(trees: Trees, row: int) -> list[tuple[int, ...]]:
+    """Row `row`'s nodes as their token paths from the root, in node order."""
+    parents, tokens = trees.parents[row].tolist(), trees.tokens[row].tolist()
+
+    def path(i: int) -> tuple[int, ...]:
+        out = []
+        while i:
+            out.append(tokens[i - 1])
+            i = parents[i - 1]
+        return tuple(reversed(out))
+
+    return [path(i) for i in range(1, len(parents) + 1)]
+
+
+def rows_decode_as_alone(make_engine, method: str, budget: int | None) -> list:
+    """A greedy row and a sampled row decoded in one batch under the rejection rule, each checked
+    against itself decoded alone (tokens and τ per round); -> the batch's generations. make_engine:
+    a fresh engine each call."""
+    from dflashkit.decode.generation import Sampling
+    from dflashkit.decode.loop import generate, generate_batch
+
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2])]
+    samplings = [Sampling(), Sampling(0.8, 0.9, seed=3)]
+    kw = dict(max_new_tokens=12, method=method, budget=budget, acceptance="rejection")
+    batch = generate_batch(make_engine(), prompts, sampling=samplings, **kw)
+    for prompt, sampling, together in zip(prompts, samplings, batch):
+        alone = generate(make_engine(), prompt, sampling=sampling, **kw)
+        assert (together.tokens, together.accept_lengths) == (alone.tokens, alone.accept_lengths)
+    return batch
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> Target:
     return make_tiny_target()

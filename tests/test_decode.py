@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import children, make_tiny_drafter, make_tiny_target, ragged_trees, read_late
+from conftest import children, make_tiny_drafter, make_tiny_target, node_paths, ragged_trees, read_late
 from datahelpers import live_server, one_thread  # noqa: F401
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import round as round_mod
@@ -120,18 +120,10 @@ def test_best_first_trees_hold_the_best_prefixes(slots, K, budget):
                 scored.append((sum(lp[r, i, k].item() for i, k in enumerate(ranks)), -d,
                                tuple(ids[r, i, k].item() for i, k in enumerate(ranks))))
         best = sorted(scored, reverse=True)[:budget]
-        parents, tokens = trees.parents[r].tolist(), trees.tokens[r].tolist()
-
-        def prefix(i):  # tokens from the root to node i
-            out = []
-            while i:
-                out.append(tokens[i - 1])
-                i = parents[i - 1]
-            return tuple(reversed(out))
-
-        assert [prefix(i) for i in range(1, budget + 1)] == [p for _, _, p in best]  # in best-first order
-        assert all(p < i for i, p in enumerate(parents, start=1))
-        assert trees.depths[r].tolist() == [len(prefix(i)) for i in range(1, budget + 1)]
+        paths = node_paths(trees, r)
+        assert paths == [p for _, _, p in best]  # in best-first order
+        assert all(p < i for i, p in enumerate(trees.parents[r].tolist(), start=1))
+        assert trees.depths[r].tolist() == [len(p) for p in paths]
         torch.testing.assert_close(trees.scores[r], torch.tensor([s for s, _, _ in best]))
     # top-1 with budget B-1 is the DFlash chain of argmax tokens
     chain = best_first(lp[:, :, :1], ids[:, :, :1], slots)

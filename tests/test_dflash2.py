@@ -8,13 +8,12 @@ import itertools
 import pytest
 import torch
 
-from conftest import make_tiny_family, make_tiny_target
+from conftest import make_tiny_family, make_tiny_target, node_paths, rows_decode_as_alone
 from datahelpers import one_thread  # noqa: F401
 from test_decode import ENGINES, Oracle, expected_taus, greedy_reference, ragged_prompts
 from test_evaluate import LABELS, _greedy_data, _train
 from dflashkit.data.features import FeatureSample
 from dflashkit.decode.engine import Draft, Engine
-from dflashkit.decode.generation import Sampling
 from dflashkit.decode.loop import generate, generate_batch
 from dflashkit.decode.tree import Lattice, draft_trees, drafted, lattice_tree, lattice_walk
 from dflashkit.evaluate import draft_spans, drafted_blocks, offline_accepted, replay_rounds
@@ -74,17 +73,8 @@ def test_lattice_tree_holds_the_best_paths(S, K, budget, top_k):
                 scored.append((sum(float(lp[s][k]) for s, k in enumerate(ranks)), -d,
                                tuple(int(lat.tokens[r, s, k]) for s, k in enumerate(ranks))))
         best = sorted(scored, reverse=True)[:budget]
-        parents, tokens = trees.parents[r].tolist(), trees.tokens[r].tolist()
-
-        def path(i):  # tokens from the root to node i
-            out = []
-            while i:
-                out.append(tokens[i - 1])
-                i = parents[i - 1]
-            return tuple(reversed(out))
-
-        assert [path(i) for i in range(1, trees.size + 1)] == [p for _, _, p in best]
-        assert all(p < i for i, p in enumerate(parents, start=1))
+        assert node_paths(trees, r) == [p for _, _, p in best]
+        assert all(p < i for i, p in enumerate(trees.parents[r].tolist(), start=1))
         torch.testing.assert_close(trees.scores[r], torch.tensor([s for s, _, _ in best]))
 
 
@@ -131,14 +121,8 @@ def test_dflash2_rejection_rows_decode_as_alone(engine, method, budget):
     tokens and τ per round equal its own decoded alone, and the greedy row's are the target's."""
     target = make_tiny_target(num_layers=2, hidden=32, vocab=64, seed=4)
     drafter = make_tiny_family(target, "dflash2", num_layers=1, num_taps=1, block_size=4)
-    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2])]
-    samplings = [Sampling(), Sampling(0.8, 0.9, seed=3)]
-    kw = dict(max_new_tokens=12, method=method, budget=budget, acceptance="rejection")
-    batch = generate_batch(ENGINES[engine](target, drafter), prompts, sampling=samplings, **kw)
-    for prompt, sampling, together in zip(prompts, samplings, batch):
-        alone = generate(ENGINES[engine](target, drafter), prompt, sampling=sampling, **kw)
-        assert (together.tokens, together.accept_lengths) == (alone.tokens, alone.accept_lengths)
-    assert batch[0].tokens == greedy_reference(target, prompts[0][None], 12)
+    batch = rows_decode_as_alone(lambda: ENGINES[engine](target, drafter), method, budget)
+    assert batch[0].tokens == greedy_reference(target, torch.tensor([[5, 9, 11, 3]]), 12)
 
 
 def oracle_lattice(seq: list[int], V: int, B: int, runner_up: bool):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny_drafter, make_tiny_family
+from conftest import make_tiny_drafter, make_tiny_family, rows_decode_as_alone
 from dflashkit.config import Config, DrafterSettings
 from dflashkit.drafter import training_hidden, upgraded
 from dflashkit.objective import (IGNORE, LossSettings, block_loss, calibration_report, micro_batch, pad_anchors,
@@ -346,18 +346,12 @@ def test_dspark_sampled_rows_under_the_rejection_rule(tiny_target, method, budge
     alone, the greedy one the target's argmax path (docs/conventions.md; exactness:
     tests/test_sampling.py)."""
     from dflashkit.decode.engine import Engine
-    from dflashkit.decode.generation import Sampling
-    from dflashkit.decode.loop import generate, generate_batch
+    from dflashkit.decode.loop import generate
 
     drafter = make_tiny_family(tiny_target, "dspark", family=dict(markov_head_type="gated"))
-    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2])]
-    samplings = [Sampling(), Sampling(0.8, 0.9, seed=3)]
-    kw = dict(max_new_tokens=12, method=method, budget=budget, acceptance="rejection")
-    batch = generate_batch(Engine(tiny_target, drafter), prompts, sampling=samplings, **kw)
-    for prompt, sampling, together in zip(prompts, samplings, batch):
-        alone = generate(Engine(tiny_target, drafter), prompt, sampling=sampling, **kw)
-        assert (together.tokens, together.accept_lengths) == (alone.tokens, alone.accept_lengths)
-    assert batch[0].tokens == generate(Engine(tiny_target), prompts[0], max_new_tokens=12, method="ar").tokens
+    batch = rows_decode_as_alone(lambda: Engine(tiny_target, drafter), method, budget)
+    assert batch[0].tokens == generate(Engine(tiny_target), torch.tensor([5, 9, 11, 3]), max_new_tokens=12,
+                                       method="ar").tokens
 
 
 @pytest.mark.parametrize("budget", [None, 8])

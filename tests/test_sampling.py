@@ -300,21 +300,15 @@ def test_eval_temperatures_preset_on_a_gpu():
 def test_greedy_and_sampled_rows_share_a_batch(method, budget):
     """A batch of a greedy row and a row sampled under the rejection rule: each row's tokens and
     τ per round equal its tokens decoded alone (the greedy row's are the target's argmax path)."""
-    from conftest import make_tiny_drafter, make_tiny_target
+    from conftest import make_tiny_drafter, make_tiny_target, rows_decode_as_alone
 
     from dflashkit.decode.engine import Engine
-    from dflashkit.decode.loop import generate, generate_batch
+    from dflashkit.decode.loop import generate
 
     target = make_tiny_target(num_layers=2, hidden=32, vocab=64, seed=4)
     drafter = make_tiny_drafter(target, num_layers=1, num_taps=1, block_size=4)
-    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2])]
-    samplings = [Sampling(), Sampling(0.8, 0.9, seed=3)]
-    kw = dict(max_new_tokens=12, method=method, budget=budget, acceptance="rejection")
-    batch = generate_batch(Engine(target, drafter), prompts, sampling=samplings, **kw)
-    for prompt, sampling, together in zip(prompts, samplings, batch):
-        alone = generate(Engine(target, drafter), prompt, sampling=sampling, **kw)
-        assert (together.tokens, together.accept_lengths) == (alone.tokens, alone.accept_lengths)
-    ar = generate(Engine(target), prompts[0], max_new_tokens=12, method="ar")
+    batch = rows_decode_as_alone(lambda: Engine(target, drafter), method, budget)
+    ar = generate(Engine(target), torch.tensor([5, 9, 11, 3]), max_new_tokens=12, method="ar")
     assert batch[0].tokens == ar.tokens
 
 
