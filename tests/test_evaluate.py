@@ -181,7 +181,7 @@ def test_eval_cli_online_matches_offline(smollm2, smol_eval_setup, capsys):
         assert m_on["identical"] is True and m_on["speedup"] > 0
         assert (m_on["tau"], m_on["rounds"], m_on["hist"]) == (m_off["tau"], m_off["rounds"], m_off["hist"])
         assert m_on["tau"] > 1.3  # a trained drafter: multi-token rounds, not the trivial τ = 1
-    assert "| mine | dflash |" in (root / "on" / "report.md").read_text()
+    assert "| mine | DFlash | dflash |" in (root / "on" / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -210,7 +210,7 @@ def test_eval_cli_suites_side_by_side(smollm2, smol_eval_setup, capsys, monkeypa
     assert h["mean_tau"] > 1.3 and h["worst_suite"] in ("math", "multiturn")
     assert rep["drafters"]["mine"]["methods"]["dflash"]["identical"] is True
     md = (root / "suites" / "report.md").read_text()
-    assert "| mine | dflash | " in md
+    assert "| mine | DFlash | dflash | " in md
     # Each suite keeps its own per-slot acceptance (pooled, they weigh by rounds), shown side by side.
     per = {s: rep["suites"][s]["drafters"]["mine"]["dflash"] for s in lengths}
     pooled = rep["drafters"]["mine"]["methods"]["dflash"]
@@ -275,7 +275,7 @@ def test_write_report_files(tmp_path):
     rep = {"mode": "offline", "samples": 1, "answer_tokens": 9, "drafters": {"a": {"block_size": 4, "methods": {"dflash": m}}}}
     files = write_report(rep, tmp_path)
     assert sorted(f.name for f in files) == ["report.json", "report.md", "slot_acceptance.png", "tau_hist.png"]
-    assert "| a | dflash | 2.333 | 3 | 2.000 |" in (tmp_path / "report.md").read_text()
+    assert "| a | DFlash | dflash | 2.333 | 3 | 2.000 |" in (tmp_path / "report.md").read_text()
     assert not (tmp_path / ".plots").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in files)  # no temp folder left
 
@@ -578,7 +578,7 @@ def test_a_load_change_between_methods_does_not_skew_the_speedup(monkeypatch):
     summed = step["tokens_per_s"] / rep["baseline"]["tokens_per_s"]  # seconds summed over prompts
     assert summed < 0.8 * step["speedup"]
     assert step["spread_wide"] and not step["above_tau"]
-    assert f"| d | dflash | {step['tau']:.3f} | {step['rounds']} | " in markdown(rep)
+    assert f"| d | DFlash | dflash | {step['tau']:.3f} | {step['rounds']} | " in markdown(rep)
     assert f"| {step['speedup']:.2f}x~ (" in markdown(rep) and "too wide to trust" in markdown(rep)
     rep, fast = evaluate(lambda n, method: 5.0 if method == "ar" else 1.0)
     assert fast["speedup"] == pytest.approx(2.5 * fast["tau"]) and fast["above_tau"] and not fast["spread_wide"]

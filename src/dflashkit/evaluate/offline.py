@@ -130,7 +130,7 @@ def evaluate_offline(drafters: dict[str, DFlashDrafter], head: Target, items: It
     report: dict[str, Any] = {"mode": "offline", "samples": samples, "answer_tokens": tokens, "drafters": {}}
     for name, drafter in drafters.items():
         B = drafter.config.block_size
-        report["drafters"][name] = {"block_size": B, "methods": {
+        report["drafters"][name] = {"block_size": B, "kind": drafter.config.kind, "methods": {
             lab: {**summarize(r, B), "tau_per_position": sum(p) / len(p) if p else 0.0} for lab, (r, p) in taus[name].items()}}
     return report
 

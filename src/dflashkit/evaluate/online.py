@@ -202,5 +202,5 @@ def evaluate_online(target: Target, drafters: dict[str, DFlashDrafter], prompts:
     for name, eng in engines.items():
         out = {lab: method_summary(runs[f"{name}/{lab}"], eng.block, len(prompts), greedy) for lab, *_ in labels}
         curves = cost_curves(eng)
-        report["drafters"][name] = {"block_size": eng.block, "methods": out, **({"cost_curves": curves} if curves else {})}
+        report["drafters"][name] = {"block_size": eng.block, "kind": eng.drafter.config.kind, "methods": out, **({"cost_curves": curves} if curves else {})}
     return report

@@ -11,21 +11,26 @@ from typing import Any
 from dflashkit.evaluate.partings import NUMERICAL_ULPS
 from dflashkit.evaluate.speed import SPEEDUP_LEGEND, speedup_mark
 
+KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}
+
+
 def method_table(report: dict[str, Any]) -> list[str]:
     """One row per drafter and method: the online or offline columns."""
     online = report["mode"] == "online"
     if online:
-        lines = ["| drafter | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
-                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines = ["| drafter | kind | method | τ | rounds | tokens/s | speed-up | decode speed-up | greedy identical |",
+                 "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     else:
-        lines = ["| drafter | method | τ (rounds) | rounds | τ (every position) |", "| --- | --- | ---: | ---: | ---: |"]
+        lines = ["| drafter | kind | method | τ (rounds) | rounds | τ (every position) |",
+                 "| --- | --- | --- | ---: | ---: | ---: |"]
     for name, d in report["drafters"].items():
+        kind = KIND_NAMES[d.get("kind", "dflash")]  # (reports written before the family have no kind: DFlash)
         for lab, m in d["methods"].items():
             if online:
-                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
+                lines.append(f"| {name} | {kind} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tokens_per_s']:.2f} | "
                              f"{speedup_cell(m)} | {m['decode_speedup']:.2f}x | {_identical(m)} |")
             else:
-                lines.append(f"| {name} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
+                lines.append(f"| {name} | {kind} | {lab} | {m['tau']:.3f} | {m['rounds']} | {m['tau_per_position']:.3f} |")
     return lines
 
 

@@ -59,7 +59,7 @@ def pool_reports(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for name, d in first["drafters"].items():
         methods = {lab: pooled_method([p["drafters"][name]["methods"][lab] for p in parts], rows, f"{name}/{lab}")
                    for lab in d["methods"]}
-        drafters[name] = {"block_size": d["block_size"], "methods": methods,
+        drafters[name] = {"block_size": d["block_size"], "kind": d.get("kind", "dflash"), "methods": methods,
                           **({"cost_curves": d["cost_curves"]} if "cost_curves" in d else {})}
     return {"mode": "online", "prompts": sum(p["prompts"] for p in parts), "greedy": first["greedy"],
             "dtype": first["dtype"], "baseline": base, "drafters": drafters, "per_prompt": rows}
