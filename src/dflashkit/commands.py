@@ -127,8 +127,8 @@ def draft_arguments(p: argparse.ArgumentParser) -> None:
 def run_draft(args: argparse.Namespace) -> int:
     """Prefill the prompt, draft one block, and compare with the target's own greedy tokens."""
     from dflashkit.checkpoint import load_drafter
-    from dflashkit.decode.cache import drafter_cache
-    from dflashkit.drafter import draft_block, new_drafter
+    from dflashkit.decode.engine import Engine
+    from dflashkit.drafter import new_drafter
     from dflashkit.target import load_target
 
     cfg = config_from_args(args)
@@ -146,13 +146,13 @@ def run_draft(args: argparse.Namespace) -> int:
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"].to(target.device)
     with torch.no_grad():
-        out = target.forward(ids, dc.target_layer_ids)
-        bonus = out.logits[:, -1].argmax(-1)
-        # Features of the prompt go to the drafter; the bonus token is the block's anchor.
-        hidden = draft_block(drafter, target.embed, drafter_cache(drafter), out.features, bonus)
-        draft = target.lm_head(hidden)[:, 1:].argmax(-1)
-        greedy = target.model.generate(ids, max_new_tokens=dc.block_size, do_sample=False)[:, ids.shape[1]:]
-    accepted = int((draft[0] == greedy[0, 1:dc.block_size]).long().cumprod(0).sum())
+        # The engine drafts as decoding does, whatever the drafter's kind (DFlash 2's walk, DSpark's
+        # Markov chain); the prompt's features go to the drafter, the bonus token is the block's anchor.
+        engine = Engine(target, drafter)
+        bonus = engine.prefill([ids[0]], ids.shape[1] + 2 * dc.block_size).argmax(-1)
+        draft = engine.draft(bonus).trees.tokens
+        greedy = target.model.generate(ids, max_new_tokens=draft.shape[1] + 1, do_sample=False)[:, ids.shape[1]:]
+    accepted = int((draft[0] == greedy[0, 1:]).long().cumprod(0).sum())
     dec = target.tokenizer.decode
     print(f"target greedy : {dec(greedy[0])!r}")
     print(f"drafted block : {dec(bonus)!r} + {dec(draft[0])!r}")
