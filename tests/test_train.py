@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from dflashkit.checkpoint import load_drafter, load_training_state
 from dflashkit.config import load_config
 from dflashkit.drafter import default_target_layer_ids
 from dflashkit.train import Dist, lr_factor, step_items
-from train_job import BASE, losses, run_job, spawn_rank
+from train_job import BASE, file_size_limit, losses, run_job, spawn_rank
 
 HERE = Path(__file__).parent
 
@@ -157,19 +156,6 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_gives_the_sam
     assert json.loads((out / "latest.json").read_text())["step"] == 3 and not (out / "final").exists()
     run_job(str(out), steps, auto_resume=True)  # the same command again: it resumes
     assert losses(out) == pytest.approx(losses(ref_dir), rel=1e-6)  # nothing lost, nothing logged twice
-
-
-@contextmanager
-def file_size_limit(limit: int):
-    """ulimit -f for this process in the block (Python ignores SIGXFSZ: a write past it is EFBIG)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def test_a_full_disk_is_one_line_naming_the_file_and_auto_resume_recovers(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,6 +84,19 @@ def spawn_rank(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextmanager
+def file_size_limit(limit: int):
+    """ulimit -f for this process in the block (Python ignores SIGXFSZ: a write past it is EFBIG)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def losses(out_dir: str | Path, kind: str = "train", key: str = "loss") -> dict[int, float]:

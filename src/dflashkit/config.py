@@ -167,6 +167,9 @@ class TrainConfig(_Section):
                                       "make tau_sim too noisy to pick the best step by")
     save_every: Int = Field(500, ge=1, description="steps between resumable checkpoints (also at the end, and on SIGTERM / SIGINT)")
     keep_last: Int = Field(2, ge=1, description="step checkpoints kept (the best one is kept apart)")
+    async_save: Bool = Field(True, description="sharded checkpoints (several ranks): training goes on while the "
+                             "shards are written, the loop stalling only to copy its state to host memory (one copy "
+                             "of each rank's weights and AdamW moments, kept in host memory)")
     seed: Seed = 0
     log_every: Int = Field(10, ge=1, description="steps between metrics.jsonl records")
     tensorboard: Bool = Field(True, description="TensorBoard events in output_dir/tb")

@@ -7,19 +7,30 @@ under DDP the replicated tensors are split between the ranks by DCP's planner) i
 `state/SHA256SUMS` (so `sha256sum -c` and `checkpoint.verify_file` check each shard). Nothing is
 gathered on one rank. A load reads the shards into however many ranks the job has now: DCP
 reshards them, so a job of 4 ranks resumes on 2 or on 1.
+
+`Saves` writes them in the background (`async_save`): the training loop stalls only while the state
+is copied to host memory, and a checkpoint is declared complete (its sums, then whatever the caller
+adds: latest.json) only once every rank's shards are on disk.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
-from dflashkit.checkpoint import SUMS, CheckpointError, atomic_write_bytes, sha256_file, verify_file
+from dflashkit.checkpoint import SUMS, CheckpointError, atomic_write_bytes, sha256_file, verify_file, writing
 
 
 def tensors(names: list[str], master: list[Tensor], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -41,14 +52,92 @@ def save(state: dict[str, Any], directory: Path) -> None:
     to `directory`/SHA256SUMS (each rank hashes only the files it wrote)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(directory))
+    with _named_failures():
+        dcp.save(state, storage_writer=_writer(directory, cache=False))
+    _share_sums(directory, None)
+
+
+class Saves:
+    """Sharded saves in the background, one at a time: `start` waits for the save before it, copies
+    the state to host memory (the loop's whole stall) and leaves the writing, the sums and `then`
+    to a thread. Their collectives run in a gloo group of their own, apart from training's."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.writer: FileSystemWriter | None = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflashkit-save")
+        self.pending: Future | None = None
+
+    def start(self, state: dict[str, Any], directory: Path, then: Callable[[float], None] | None) -> None:
+        """`then(released)` runs once every rank's shards and the sums are written; `released`: when
+        this call returned (the end of the loop's stall)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        # On the GPU the host copy is kept (pinned) from one save to the next: no allocation per save.
+        self.writer = self.writer or _writer(directory, cache=torch.cuda.is_available())
+        written = dcp.async_save(state, checkpoint_id=str(directory), storage_writer=self.writer,
+                                 process_group=self.group)
+        self.pending = self.pool.submit(self._complete, written, directory, then, time.perf_counter())
+
+    def _complete(self, written: Future, directory: Path, then: Callable[[float], None] | None,
+                  released: float) -> None:
+        with _named_failures():
+            written.result()
+        _share_sums(directory, self.group)
+        if then is not None:
+            then(released)
+
+    def wait(self) -> None:
+        """The save in flight, if any, finished (its failure raised here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
+def _share_sums(directory: Path, group: Any) -> None:
+    """Each rank hashes the files it wrote; rank 0 writes every rank's sums to SHA256SUMS."""
     rank = dist.get_rank()
     mine = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp")) + ([".metadata"] if rank == 0 else [])
     sums: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(sums, {n: sha256_file(directory / n) for n in mine})
+    dist.all_gather_object(sums, {n: sha256_file(directory / n) for n in mine}, group=group)
     if rank == 0:
         every = {n: h for part in sums for n, h in part.items()}
         atomic_write_bytes(directory / SUMS, "".join(f"{every[n]}  {n}\n" for n in sorted(every)).encode())
+
+
+class _NamedFileSystem(FileSystem):
+    """DCP's files, a failed write's error naming the file (DCP's own leaves it out)."""
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+def _writer(directory: Path, cache: bool) -> FileSystemWriter:
+    w = FileSystemWriter(directory, cache_staged_state_dict=cache)
+    w.fs = _NamedFileSystem()
+    return w
+
+
+@contextmanager
+def _named_failures() -> Iterator[None]:
+    """DCP's failure of a save (every rank's, gathered) as the first failed write among them: a
+    full disk or a file-size limit is one line naming the file and the cause (`checkpoint.writing`)."""
+    try:
+        yield
+    except CheckpointException as e:
+        for _, (exc, _trace) in sorted(e.failures.items()):
+            if isinstance(exc, OSError) and exc.filename:
+                with writing(Path(exc.filename)):
+                    raise exc from None
+        raise
 
 
 def verify(directory: Path) -> None:

@@ -983,6 +983,7 @@ class Run:
     total: int  # steps; a time-budgeted run re-fits it as it learns its step time
     start: int
     best: dict[str, Any]  # {"tau_sim", "step", ...} of best/
+    saves: shardstate.Saves | None = None  # sharded checkpoints written in the background (train.async_save)
 
 
 def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, samples: Sequence[Any] | None,
@@ -1082,7 +1083,8 @@ def _setup(cfg, d: Dist, want: torch.device, target: Any, samples: Sequence[Any]
         start, best, total = _resume(cfg, trainer, resume_dir, total, len(train_idx), identity, d)
     metrics = MetricsLog(out_dir, start, tc, cfg.model_dump(), d.main)
     run = Run(cfg, d, out_dir, dtype, compile_, dcfg, trainer, batcher, metrics, identity, train_idx, eval_idx,
-              eval_groups, probe_idx, total, start, best)
+              eval_groups, probe_idx, total, start, best,
+              shardstate.Saves(tc.dist_timeout) if trainer.sharded() and tc.async_save else None)
     if d.main:
         # The effective config, overrides applied: `dflashkit train --config` on it repeats the run.
         atomic_write_bytes(out_dir / "config.yaml", (f"# {versions()}, {time.strftime('%Y-%m-%d %H:%M')}\n"
@@ -1151,28 +1153,47 @@ def _checkpoint(run: Run, step: int) -> None:
 
 def _sharded_checkpoint(run: Run, step: int, t0: float) -> None:
     """Each rank writes its shards of the weights and moments into the checkpoint's temporary
-    directory (`shardstate.save`); rank 0 adds the config and the rest of the training state and
-    renames it into place. Nothing is gathered on one rank."""
+    directory (`shardstate`), in the background under train.async_save; rank 0 then adds the config
+    and the rest of the training state, and renames it into place. Nothing is gathered on one rank."""
     _check_shards_finite(run, step)
     where: list[Any] = [str(temp_path(step_dir(run.out_dir, step))) if run.d.main else None]
     dist.broadcast_object_list(where, 0)
     shards = Path(where[0])
-    shardstate.save(run.trainer.shard_state(), shards / SHARDED_STATE)
-    if not run.d.main:
-        return
-    t1 = time.perf_counter()
+    # Taken now: the steps that go on while the shards are written change the schedule and the RNG.
     state = {**_state_fields(run, step), "scheduler": run.trainer.scheduler.state_dict(), "sharded": SHARDED_STATE}
 
-    def complete(p: Path) -> None:
-        os.replace(shards, p)
-        atomic_write_json(p / CONFIG, run.dcfg.to_json_dict())
-        atomic_save(lambda tmp: torch_save(state, tmp), p / TRAINING_STATE)
-        names = [CONFIG, TRAINING_STATE, f"{SHARDED_STATE}/SHA256SUMS"]  # the shards' sums cover the shards
-        atomic_write_bytes(p / "SHA256SUMS", "".join(f"{sha256_file(p / n)}  {n}\n" for n in sorted(names)).encode())
+    def complete(released: float | None) -> None:
+        """Rank 0, once every shard is written; `released`: when the loop went on (None: it waited for all)."""
+        written = time.perf_counter()
+        path = publish_checkpoint(run.out_dir, step, lambda p: _complete_shards(run, shards, state, p),
+                                  run.cfg.train.keep_last)
+        now = time.perf_counter()
+        log.info("checkpoint %s saved in %.2f s (the training loop stalled %.2f s; %d ranks writing their shards "
+                 "%.2f s, rank 0 the rest %.2f s)", path, now - t0, (released or now) - t0, run.d.world,
+                 written - t0, now - written)
 
-    path = publish_checkpoint(run.out_dir, step, complete, run.cfg.train.keep_last)
-    log.info("checkpoint %s saved in %.2f s (%d ranks writing their shards %.2f s, rank 0 the rest %.2f s)", path,
-             time.perf_counter() - t0, run.d.world, t1 - t0, time.perf_counter() - t1)
+    then = complete if run.d.main else None
+    if run.saves is None:
+        shardstate.save(run.trainer.shard_state(), shards / SHARDED_STATE)
+        if then is not None:
+            then(None)
+    else:
+        run.saves.start(run.trainer.shard_state(), shards / SHARDED_STATE, then)
+
+
+def _complete_shards(run: Run, shards: Path, state: dict[str, Any], p: Path) -> None:
+    """The written shards' directory becomes checkpoint `p`, with the config, the training state and the sums."""
+    os.replace(shards, p)
+    atomic_write_json(p / CONFIG, run.dcfg.to_json_dict())
+    atomic_save(lambda tmp: torch_save(state, tmp), p / TRAINING_STATE)
+    names = [CONFIG, TRAINING_STATE, f"{SHARDED_STATE}/SHA256SUMS"]  # the shards' sums cover the shards
+    atomic_write_bytes(p / "SHA256SUMS", "".join(f"{sha256_file(p / n)}  {n}\n" for n in sorted(names)).encode())
+
+
+def _saved(run: Run) -> None:
+    """The checkpoint being written in the background (train.async_save) is complete: latest.json names it."""
+    if run.saves is not None:
+        run.saves.wait()
 
 
 def _check_shards_finite(run: Run, step: int) -> None:
@@ -1225,6 +1246,7 @@ def _evaluate(run: Run, done: int) -> None:
 def _stop(run: Run, step: int, signum: int, bar: Any) -> TrainingStopped:
     if step > run.start and step % run.cfg.train.save_every:  # the step just done has no checkpoint yet
         _checkpoint(run, step)
+    _saved(run)
     bar.close()
     run.metrics.close()
     if run.d.world > 1:
@@ -1308,7 +1330,9 @@ def _steps(run: Run, stop: list[int], t_begin: float, bar: Any, beat: Heartbeat 
 
 
 def _finish(run: Run) -> Path:
-    """final/ (unless a resumed run had nothing left to do and it exists), the curves, a barrier."""
+    """The last checkpoint complete, final/ (unless a resumed run had nothing left to do and it
+    exists), the curves, a barrier."""
+    _saved(run)
     if run.start < run.total or not (run.out_dir / "final").exists():
         params = run.trainer.full_params()
         check_finite(max(run.start, run.total), {}, params)
