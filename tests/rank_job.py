@@ -85,14 +85,19 @@ def arm(fault: str, out_dir: str, overrides: list[str]) -> None:
 
 
 def stopped_rank(rank: int, world: int, port: int, out: str, logs: str, overrides: list[str]) -> None:
-    """A gloo rank of a job whose rank 1 stops (SIGSTOP) inside step 3; its stderr and log lines
-    go to `logs`.rank<R>, progress lines every second."""
+    """A gloo rank of a job whose rank 1 stops (SIGSTOP) inside step 3, once step 2's checkpoint is
+    complete; its stderr and log lines go to `logs`.rank<R>, progress lines every second."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DFLASHKIT_PROGRESS_SECONDS="1")
     sys.stderr = open(f"{logs}.rank{rank}", "w", buffering=1)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _inside_step(1, 3, lambda: os.kill(os.getpid(), signal.SIGSTOP))
+
+    def stop() -> None:
+        _checkpointed(out, 2)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    _inside_step(1, 3, stop)
     run_job(out, overrides)
 
 
