@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_drafter, make_tiny_family
+from dflashkit import family
 from dflashkit.decode.cache import drafter_cache
 from dflashkit.drafter import DFlashDrafter, DrafterConfig, draft_block, training_hidden, upgraded
 from dflashkit.family import block_conv
-from dflashkit.objective import LossSettings, block_loss, block_predecessors, micro_batch, pad_anchors
+from dflashkit.objective import (LossSettings, block_loss, block_predecessors, micro_batch, pad_anchors,
+                                 selector_terms)
 
 
 def test_block_conv_is_causal_inside_each_block_only():
@@ -102,3 +104,46 @@ def test_family_config_round_trip_and_errors():
     bad = {**j, "dflash_config": {**j["dflash_config"], "selector_top_k": "16"}}
     with pytest.raises(ValueError, match="config.json: 'dflash_config.selector_top_k'"):
         DrafterConfig.from_json_dict(bad)
+
+
+def _plain_scores(self, hidden, predecessors, candidates):
+    """The selector's transition scores in plain autograd: gathered codebook rows and a matmul."""
+    pred = self.predecessor_codebook[predecessors.long()]
+    context = pred * self.hidden_projection(hidden).unsqueeze(-2).to(pred.dtype)
+    return context @ self.successor_codebook[candidates.long()].transpose(-1, -2)
+
+
+def test_selector_loss_and_gradients_equal_plain_autograd(monkeypatch):
+    """`selector_terms` through the selector's chunked edge scores (their own backward, the codebook's
+    gradient by index_add_) equals the plain formulation: loss, pick, and every gradient; and
+    decoding's lattice shape ([b, S, K] predecessors) scores alike."""
+    torch.manual_seed(0)
+    V, H, r, K, N = 40, 12, 6, 4, 37
+    monkeypatch.setattr(family, "EDGE_CHUNK", 5 * K * r)  # 8 chunks, the last one short
+    sel = family.CandidateSelector(V, H, r, K, std=0.5)
+    h = torch.randn(N, H, requires_grad=True)
+    preds = torch.randint(0, V, (N,))
+    preds[:12] = 3  # a predecessor repeated over many rows
+    ids = torch.stack([torch.randperm(V)[:K] for _ in range(N)])
+    ids[:, 1] = torch.where((ids == 7).any(-1), ids[:, 1], 7)  # a candidate of every row
+    labels = torch.where(torch.arange(N) % 2 == 0, ids[:, 2], torch.randint(0, V, (N,)))  # half hit the top-K
+    ids = torch.cat([ids, labels[:, None]], 1)
+    logits = torch.randn(N, K + 1, requires_grad=True)
+    w = torch.rand(N)
+
+    def run():
+        ce, pick, extra = selector_terms(sel, h, preds, labels, ids, logits)
+        params = [h, logits, *sel.parameters()]
+        grads = torch.autograd.grad((w * ce).sum(), params)
+        lattice = sel(h[:6].view(2, 3, H), ids[:6, :K].view(2, 3, K), ids[6:12, :K].view(2, 3, K))
+        return ce, pick, extra["selector_hits"], grads, lattice
+
+    fast = run()
+    monkeypatch.setattr(family.CandidateSelector, "forward", _plain_scores)
+    plain = run()
+    assert fast[2] > 0 and torch.equal(fast[1], plain[1])
+    torch.testing.assert_close(fast[0], plain[0])
+    torch.testing.assert_close(fast[4], plain[4])
+    for a, b in zip(fast[3], plain[3]):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b)

@@ -19,6 +19,7 @@ import re
 from typing import Callable, NamedTuple, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
@@ -62,12 +63,13 @@ def block_conv(x: Tensor, delta: Tensor, base: Tensor, block: int, group: int) -
     b, q, H = x.shape
     k, G = base.shape[0], H // group
     xs = x.view(b, q // block, block, G, group)
-    ds = delta.view(b, q // block, block, k, G)
-    out = torch.zeros_like(xs)
-    for j in range(min(k, block)):
-        shifted = xs if j == 0 else torch.cat([xs.new_zeros(b, q // block, j, G, group), xs[:, :, :-j]], dim=2)
-        coef = base[j].to(xs.dtype).view(G, group) + ds[:, :, :, j, :, None]
-        out = out + shifted * coef
+    ds = delta.view(b, q // block, block, k, G, 1)
+    coef = base.to(xs.dtype).view(k, G, group)
+    out = xs * (coef[0] + ds[:, :, :, 0])
+    if min(k, block) > 1:  # tap j reads a slice of one copy of x with k - 1 zeros before each block
+        padded = F.pad(xs, (0, 0, 0, 0, k - 1, 0))  # [b, n, k - 1 + block, G, group]
+        for j in range(1, min(k, block)):
+            out = out + padded[:, :, k - 1 - j:k - 1 - j + block] * (coef[j] + ds[:, :, :, j])
     return out.view(b, q, H)
 
 
@@ -99,6 +101,46 @@ class BlockConv(nn.Module):
         return block_conv(y, delta, self.base_kernel[1], block, self.group_size)
 
 
+# Elements of the candidates' codebook rows [rows, K, r] held at once by `_EdgeScores`.
+EDGE_CHUNK = 1 << 24
+
+
+class _EdgeScores(torch.autograd.Function):
+    """context [M, P, r], codebook S [V, r], candidates [M, K] -> [M, P, K] = context @ S[c]^T. The
+    candidates' rows S[c] [m, K, r] exist one row chunk at a time and are never saved: backward's
+    d context is an `embedding_bag` of them, S's gradient (each candidate's Σ_p g[m, p, k]
+    context[m, p]) one fp32 `index_add_` per chunk: the frequent tokens are candidates of most rows,
+    and indexing's own backward would sum their repeats one after another."""
+
+    @staticmethod
+    def forward(ctx, context: Tensor, codebook: Tensor, candidates: Tensor) -> Tensor:
+        M, P, r = context.shape
+        chunk = max(1, EDGE_CHUNK // (candidates.shape[1] * r))
+        out = context.new_empty(M, P, candidates.shape[1])
+        for s in range(0, M, chunk):
+            torch.bmm(context[s:s + chunk], codebook[candidates[s:s + chunk]].transpose(1, 2), out=out[s:s + chunk])
+        ctx.save_for_backward(context, codebook, candidates)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        context, codebook, candidates = ctx.saved_tensors
+        (M, P, K), r = g.shape, context.shape[-1]
+        g = g.to(context.dtype)
+        d_context = d_codebook = None
+        if ctx.needs_input_grad[0]:  # row (m, p): Σ_k g[m, p, k] S[c[m, k]]
+            bags = candidates[:, None].expand(M, P, K).reshape(M * P, K)
+            d_context = F.embedding_bag(bags, codebook, per_sample_weights=g.reshape(M * P, K), mode="sum").view(M, P, r)
+        if ctx.needs_input_grad[1]:
+            d_codebook = torch.zeros(codebook.shape, dtype=torch.float32, device=codebook.device)
+            for s in range(0, M, ctx.chunk):  # [m, K, r]: each candidate's row of the gradient
+                rows = torch.bmm(g[s:s + ctx.chunk].transpose(1, 2), context[s:s + ctx.chunk])
+                d_codebook.index_add_(0, candidates[s:s + ctx.chunk].flatten(), rows.flatten(0, 1).float())
+            d_codebook = d_codebook.to(codebook.dtype)
+        return d_context, d_codebook, None
+
+
 class CandidateSelector(nn.Module):
     """Edge scores over the unary head's top-K: score(p -> c | h) = unary[c] + <P[p] * W h, S[c]>,
     P and S codebooks of rank r over the vocabulary, W a projection of the slot's hidden state."""
@@ -119,9 +161,13 @@ class CandidateSelector(nn.Module):
         """The transition scores <P[p] * W h, S[c]>: hidden [..., H], predecessors [..., P] (token
         ids), candidates [..., K] (token ids) -> [..., P, K]: every predecessor against every candidate
         of the same slot (training: P = 1, the gold token before; decoding: the previous slot's K)."""
-        pred = self.predecessor_codebook[predecessors.long()]  # [..., P, r]
+        # An embedding's backward sums a token's repeats in parallel (advanced indexing's runs them one by one).
+        pred = F.embedding(predecessors.long(), self.predecessor_codebook)  # [..., P, r]
         context = pred * self.hidden_projection(hidden).unsqueeze(-2).to(pred.dtype)
-        return context @ self.successor_codebook[candidates.long()].transpose(-1, -2)
+        lead = context.shape[:-2]
+        scores = _EdgeScores.apply(context.flatten(0, -3) if lead else context[None], self.successor_codebook,
+                                   candidates.long().flatten(0, -2) if lead else candidates.long()[None])
+        return scores.view(*lead, *scores.shape[-2:])
 
     def scores(self, unary: Tensor, hidden: Tensor, predecessors: Tensor, candidates: Tensor) -> Tensor:
         """The edge scores (fp32) that the selector's K-way choice is over: each candidate's unary
