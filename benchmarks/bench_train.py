@@ -8,7 +8,10 @@ optimiser step), block-tokens/s, model FLOP/s and MFU against an 8192^3 bf16 mat
 the same run, and memory, for each attention path (FlexAttention block-sparse, dense mask) and
 each objective: ours (the chunked LM head of `objective.py`) and SpecForge's DFlash loss
 (`--objectives ours,specforge`: the same drafter, masks and batch; the LM head on every block slot at once, its
-[slots, vocab] logits kept for backward, `F.cross_entropy`; see `specforge_objective`).
+[slots, vocab] logits kept for backward, `F.cross_entropy`; see `specforge_objective`), and each
+drafter kind (`--kinds dflash,dflash2`: the same backbone with DFlash 2's block convolutions and
+candidate selector, `KINDS`; `--smollm2` at the bundled SmolLM2 drafter's shape and batch, where the
+two were compared).
 
 Memory columns (GiB): `resident` = what lives between steps (bf16 drafter, the target's embedding
 and LM head, the batch, fp32 master weights and AdamW moments); `f+b w-only` = the
@@ -30,6 +33,7 @@ resident here.
     python benchmarks/bench_train.py --variants flex:compile --objectives ours,specforge --max-seq 40
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --scaling   # DDP weak scaling
     python benchmarks/bench_train.py --variants pipeline  # `train()` end to end, SmolLM2-shaped random target
+    python benchmarks/bench_train.py --smollm2 --variants flex:compile --kinds dflash,dflash2   # a DFlash 2 step's cost
 """
 
 from __future__ import annotations
@@ -59,16 +63,23 @@ QWEN3_8B = dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=15
                 taps=[1, 9, 17, 25, 33], layers=5, block=16, seq=3072, anchors=512, prompt=256)
 TINY = dict(hidden=64, inter=128, heads=4, kv=2, head_dim=16, vocab=512, target_layers=8, taps=[1, 3, 5],
             layers=2, block=8, seq=96, anchors=16, prompt=8)
+# The bundled SmolLM2-135M drafter's shape and recipe batch: 16 sequences of 1024 tokens, 512 anchors each.
+SMOLLM2 = dict(hidden=576, inter=1536, heads=9, kv=3, head_dim=64, vocab=49152, target_layers=30, taps=[1, 8, 14, 20, 27],
+               layers=4, block=16, seq=1024, anchors=512, prompt=256, seqs=16, frequent_head=True)
 # A CPU-sized drafter with Qwen3's full vocabulary: where the LM head's memory shows on a CPU.
 MID = dict(hidden=256, inter=768, heads=4, kv=2, head_dim=64, vocab=151936, target_layers=36, taps=[1, 9, 17, 25, 33],
            layers=2, block=16, seq=1024, anchors=128, prompt=64)
+
+
+# The family's modules per kind (`--kinds`): DFlash 2 as the SmolLM2 comparison ran it.
+KINDS = {"dflash": {}, "dflash2": dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)}
 
 
 def train_settings(**kw) -> SimpleNamespace:
     """The TrainConfig fields the Trainer reads (recipe values)."""
     base = dict(lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0, parallel="auto", optimizer_state="device",
                 loss="ce", gamma=None,
-                kl_weight=1.0, kl_temperature=1.0, dpace_alpha=0.5)
+                kl_weight=1.0, kl_temperature=1.0, dpace_alpha=0.5, selector_loss_alpha=1.0, confidence_head_alpha=1.0)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -90,30 +101,37 @@ def matmul_ceiling(device: torch.device, n: int = 8192, reps: int = 10) -> float
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """(drafter, embedding, LM head weight) at `shape`, random."""
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0, kind: str = "dflash"):
+    """(drafter, embedding, LM head weight) at `shape`, random; a drafter of `kind` (`KINDS`)."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"], head_dim=shape["head_dim"],
                         vocab_size=shape["vocab"], num_target_layers=shape["target_layers"], target_layer_ids=shape["taps"],
-                        mask_token_id=shape["vocab"] - 1, block_size=shape["block"])
+                        mask_token_id=shape["vocab"] - 1, block_size=shape["block"], **KINDS[kind])
     with torch.device(device):
         drafter = DFlashDrafter(cfg)
         embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(dtype).requires_grad_(False)
-        head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(dtype)
+        head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
+        if shape.get("frequent_head"):
+            # A trained head's top-K holds the frequent tokens in most rows (what the selector's codebook
+            # gradient sums): rows with norms falling along the vocabulary give random hidden states that
+            # skew (top-16: the first token in ~1/4 of rows, the first 100 ~60 % of all candidates).
+            head *= 1 + 6 / (1 + torch.arange(cfg.vocab_size, dtype=torch.float32)[:, None] / 16).sqrt()
+        head = head.to(dtype)
     return drafter, embed, head
 
 
 def build_batch(shape: dict, cfg: DrafterConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
                 seq: int | None = None):
-    """One micro-batch: a sequence of `seq` tokens (default the shape's), `shape['anchors']` anchors."""
-    T = seq or shape["seq"]
+    """One micro-batch: `shape['seqs']` (default 1) sequences of `seq` tokens (default the shape's),
+    `shape['anchors']` anchors each."""
+    T, n = seq or shape["seq"], shape.get("seqs", 1)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size - 1, (1, T), generator=g)
-    loss_mask = torch.ones(1, T, dtype=torch.bool)
+    ids = torch.randint(0, cfg.vocab_size - 1, (n, T), generator=g)
+    loss_mask = torch.ones(n, T, dtype=torch.bool)
     loss_mask[:, : shape["prompt"]] = False
-    anchors, valid = pad_anchors([sample_anchors(loss_mask[0], shape["anchors"], g)])
-    feats = torch.randn(1, T, cfg.num_taps * cfg.hidden_size, device=device, dtype=dtype,
+    anchors, valid = pad_anchors([sample_anchors(m, shape["anchors"], g) for m in loss_mask])
+    feats = torch.randn(n, T, cfg.num_taps * cfg.hidden_size, device=device, dtype=dtype,
                         generator=torch.Generator(device).manual_seed(seed))
     return micro_batch(ids, loss_mask, torch.ones_like(loss_mask), feats, anchors, valid, cfg.block_size).to(device)
 
@@ -197,10 +215,11 @@ def step_flops(cfg: DrafterConfig, mb) -> float:
     return 3 * (block + ctx_kv + attn) + 2 * (fc + head)
 
 
-def make_trainer(shape: dict, device, dtype, backend: str, compile_: bool, d: Dist, objective: str, mem: Memory):
-    """A Trainer on a random drafter, its `_forward` swapped for `objective`; and the bytes in use
-    once the bf16 weights (drafter, embedding, LM head) exist, before the trainer's fp32 state."""
-    drafter, embed, head = build_model(shape, device, dtype, seed=d.rank)
+def make_trainer(shape: dict, device, dtype, backend: str, compile_: bool, d: Dist, objective: str, mem: Memory,
+                 kind: str = "dflash"):
+    """A Trainer on a random drafter of `kind`, its `_forward` swapped for `objective`; and the bytes in
+    use once the bf16 weights (drafter, embedding, LM head) exist, before the trainer's fp32 state."""
+    drafter, embed, head = build_model(shape, device, dtype, seed=d.rank, kind=kind)
     drafter.to(dtype)  # as the trainer will: count bf16 weights, not the fp32 they were drawn in
     weights = mem.now()
     trainer = Trainer(drafter, embed, head, train_settings(), total_steps=10_000, device=device, dtype=dtype, d=d,
@@ -213,10 +232,10 @@ def make_trainer(shape: dict, device, dtype, backend: str, compile_: bool, d: Di
 
 
 def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters: int, warmup: int, d: Dist,
-                 micro: int = 1, objective: str = "ours") -> tuple[dict, Trainer]:
+                 micro: int = 1, objective: str = "ours", kind: str = "dflash") -> tuple[dict, Trainer]:
     mem = Memory(device)
     base = mem.now()  # whatever an earlier variant left behind (interpreter and libraries on CPU): not ours
-    trainer, weights = make_trainer(shape, device, dtype, backend, compile_, d, objective, mem)
+    trainer, weights = make_trainer(shape, device, dtype, backend, compile_, d, objective, mem, kind)
     drafter = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
     before = mem.now()
     mb = build_batch(shape, drafter.config, device, dtype, seed=d.rank)
@@ -239,7 +258,7 @@ def time_variant(shape: dict, device, dtype, backend: str, compile_: bool, iters
         for p in trainer.params:
             p.grad = None
 
-    res = {"backend": backend, "compile": compile_, "objective": objective, "warmup_s": round(warm_s, 1),
+    res = {"backend": backend, "compile": compile_, "kind": kind, "objective": objective, "warmup_s": round(warm_s, 1),
            "micro_batches": micro}
     resident = mem.now()
     peaks = {}
@@ -370,17 +389,17 @@ def pipeline(steps: int, device: torch.device, out_dir: str, micro: int, tiny: b
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("variant", 14), ("objective", 10), ("fwd+bwd ms", 11), ("step ms", 9), ("TFLOP/s", 8), ("MFU", 6),
+    cols = [("variant", 14), ("kind", 8), ("objective", 10), ("fwd+bwd ms", 11), ("step ms", 9), ("TFLOP/s", 8), ("MFU", 6),
             ("blk-tok/s", 10), ("resident", 9), ("f+b w-only", 11), ("peak GiB", 9), ("mask ms", 8)]
-    print("".join(f"{c:>{w}}" if i > 1 else f"{c:<{w}}" for i, (c, w) in enumerate(cols)))
+    print("".join(f"{c:>{w}}" if i > 2 else f"{c:<{w}}" for i, (c, w) in enumerate(cols)))
     for r in rows:
         name = f"{r['backend']}:{'compile' if r['compile'] else 'eager'}"
         if "error" in r:
-            print(f"{name:<14}{r['objective']:<10} ERROR {r['error'][:200]}")
+            print(f"{name:<14}{r.get('kind', 'dflash'):<8}{r['objective']:<10} ERROR {r['error'][:200]}")
             continue
         vals = [r["fwd_bwd_ms"], r["step_ms"], r["tflops"], r.get("mfu"), r["block_tokens_per_s"], r.get("resident_gib"),
                 r.get("fwd_bwd_weights_only_gib"), r.get("peak_mem_gib"), r["mask_build_ms"]]
-        print(f"{name:<14}{r['objective']:<10}" + "".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols[2:])))
+        print(f"{name:<14}{r['kind']:<8}{r['objective']:<10}" + "".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols[3:])))
     for r in rows:
         m = r.get("max_seq")
         if m:
@@ -394,6 +413,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
     ap.add_argument("--mid", action="store_true", help="CPU, a small drafter with Qwen3's 151936-token vocabulary")
+    ap.add_argument("--smollm2", action="store_true", help="the bundled SmolLM2 drafter's shape, 16 x 512 anchors a step")
+    ap.add_argument("--kinds", default="dflash", help=f"comma-separated drafter kinds among {', '.join(KINDS)}")
     ap.add_argument("--variants", default="flex:compile,sdpa:compile",
                     help="comma-separated backend:compile|eager, or 'pipeline' (train() end to end)")
     ap.add_argument("--iters", type=int, default=10)
@@ -415,12 +436,15 @@ def main() -> int:
         objective_mod.HEAD_CHUNK_LOGITS = args.head_chunk_logits
     if any(o not in OBJECTIVES for o in objectives):
         ap.error(f"--objectives: expected names among {OBJECTIVES}, got {args.objectives!r}")
+    kinds = args.kinds.split(",")
+    if any(k not in KINDS for k in kinds):
+        ap.error(f"--kinds: expected names among {tuple(KINDS)}, got {args.kinds!r}")
 
     cuda = torch.cuda.is_available() and not (args.tiny or args.mid)
     d = init_distributed(cuda)
     device = torch.device("cuda", d.local_rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = TINY if args.tiny else MID if args.mid else QWEN3_8B
+    shape = TINY if args.tiny else MID if args.mid else SMOLLM2 if args.smollm2 else QWEN3_8B
     report: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                     "shape": shape, "head_chunk_logits": objective_mod.HEAD_CHUNK_LOGITS,
                     "world": d.world, "variants": []}
@@ -428,7 +452,7 @@ def main() -> int:
         report["matmul_tflops"] = round(matmul_ceiling(device), 1)
         print(f"bf16 8192^3 matmul: {report['matmul_tflops']} TFLOP/s", flush=True)
 
-    out = Path(args.out) / f"bench_train{'_tiny' if args.tiny else '_mid' if args.mid else ''}{'_x' + str(d.world) if d.world > 1 else ''}.json"
+    out = Path(args.out) / f"bench_train{'_tiny' if args.tiny else '_mid' if args.mid else '_smollm2' if args.smollm2 else ''}{'_x' + str(d.world) if d.world > 1 else ''}.json"
 
     def save(r: dict) -> None:  # after each measurement: a killed run keeps what it measured
         if d.main:
@@ -450,16 +474,16 @@ def main() -> int:
         micro = int(micro[0]) if micro else args.micro
         if backend == "flex" and not cuda:
             continue  # no FlexAttention backward on CPU
-        for objective in objectives:
+        for kind, objective in [(k, o) for k in kinds for o in objectives if k == "dflash" or o == "ours"]:
             gc.collect()  # the previous trainer (a reference cycle through its swapped `_forward`) must be gone
             if cuda:
                 torch.cuda.empty_cache()
             trainer = None
             try:
                 r, trainer = time_variant(shape, device, dtype, backend, mode == "compile", args.iters, args.warmup, d,
-                                          micro, objective)
+                                          micro, objective, kind)
             except Exception as e:  # report and carry on with the other variants
-                r = {"backend": backend, "compile": mode == "compile", "objective": objective,
+                r = {"backend": backend, "compile": mode == "compile", "kind": kind, "objective": objective,
                      "error": f"{type(e).__name__}: {e}"[:2000]}
             if "matmul_tflops" in report and "tflops" in r:
                 r["mfu"] = round(r["tflops"] / report["matmul_tflops"], 3)
