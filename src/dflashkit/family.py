@@ -101,8 +101,9 @@ class BlockConv(nn.Module):
         return block_conv(y, delta, self.base_kernel[1], block, self.group_size)
 
 
-# Elements of the candidates' codebook rows [rows, K, r] held at once by `_EdgeScores`.
-EDGE_CHUNK = 1 << 24
+# Elements of the candidates' codebook rows [rows, K, r] held at once by `_EdgeScores` (with their fp32
+# gradient rows, 192 MiB in bf16: well under the LM head's chunk of logits; 15 chunks at SmolLM2's 123k rows).
+EDGE_CHUNK = 1 << 25
 
 
 class _EdgeScores(torch.autograd.Function):
