@@ -138,18 +138,19 @@ class DrafterConfig:
             raise bad("markov_head_type", f"one of {family.MARKOV_KINDS}")
         if self.confidence_head_with_markov and self.enable_confidence_head and not self.markov_rank:
             raise bad("confidence_head_with_markov", "false when markov_rank is 0 (there is no Markov embedding to read)")
-        if self.kind_of_modules() == "both":
+        if self._declares_dflash2() and self._declares_dspark():
             raise bad("markov_rank", "0 when DFlash 2's modules are declared (a drafter is DFlash 2 or DSpark, not both)")
 
-    def kind_of_modules(self) -> str:
-        dflash2 = self.conv_kernel_size is not None or self.selector_rank is not None
-        dspark = bool(self.markov_rank) or self.enable_confidence_head
-        return "both" if dflash2 and dspark else "dflash2" if dflash2 else "dspark" if dspark else "dflash"
+    def _declares_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None or self.selector_rank is not None
+
+    def _declares_dspark(self) -> bool:
+        return bool(self.markov_rank) or self.enable_confidence_head
 
     @property
     def kind(self) -> str:
         """'dflash', 'dflash2' or 'dspark': which of the family the declared modules make."""
-        return self.kind_of_modules()
+        return "dflash2" if self._declares_dflash2() else "dspark" if self._declares_dspark() else "dflash"
 
     @property
     def draft_slots(self) -> range:

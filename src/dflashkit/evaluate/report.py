@@ -8,11 +8,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dflashkit.drafter import KIND_NAMES
 from dflashkit.evaluate.partings import NUMERICAL_ULPS
 from dflashkit.evaluate.speed import SPEEDUP_LEGEND, speedup_mark
-
-KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}
-
 
 def method_table(report: dict[str, Any]) -> list[str]:
     """One row per drafter and method: the online or offline columns."""
