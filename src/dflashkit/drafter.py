@@ -729,8 +729,7 @@ def upgraded(drafter: DFlashDrafter, settings: Any) -> DFlashDrafter:
                          "(its slots predict other positions); set drafter.sample_from_anchor=false")
     settings = settings.model_copy(update={"sample_from_anchor": cfg.sample_from_anchor})
     ref = next(drafter.parameters())
-    with torch.random.fork_rng(devices=[]):
-        out = DFlashDrafter(family_config(cfg, settings)).to(device=ref.device, dtype=ref.dtype)
+    out = DFlashDrafter(family_config(cfg, settings)).to(device=ref.device, dtype=ref.dtype)
     missing, unexpected = out.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected:
         raise ValueError(f"upgrading the drafter: tensors {unexpected[:4]} have no place in a {out.config.kind} drafter")

@@ -1007,13 +1007,13 @@ def _new_or_loaded_drafter(cfg, target: Any, resume_dir: Path | None) -> DFlashD
         if problems:
             raise ValueError(f"{resume_dir}: does not fit target {target.name}: " + "; ".join(problems))
         return drafter
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank (an upgrade's new modules too)
     if cfg.drafter.init_from:
         drafter = load_drafter(cfg.drafter.init_from, target)
         drafter = grow(drafter, cfg.drafter.grow_layers) if cfg.drafter.grow_layers else drafter
         return upgraded(drafter, cfg.drafter) if cfg.drafter.kind not in (None, drafter.config.kind) else drafter
     from dflashkit.drafter import new_drafter
 
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     drafter = new_drafter(target, cfg.drafter)
     problems = target_problems(drafter.config, target)  # what `generate` and `serve` would refuse
     if problems:
