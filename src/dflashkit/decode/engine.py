@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflashkit.decode.accept import Steps
 from dflashkit.decode.cache import KVCache, LinearState, drafter_cache, is_chain, to_device
-from dflashkit.decode.markov import MarkovDraft, markov_trees
+from dflashkit.decode.markov import MarkovDraft, kind_draft, markov_trees
 from dflashkit.decode.tree import Lattice, Trees, Walk, causal, draft_trees, verification, visibility
 from dflashkit.drafter import DFlashDrafter, draft_step, write_context
 from dflashkit.kernels.packed import lm_head
@@ -383,14 +383,11 @@ class Engine:
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
                     budget: int | None, top_k: int | None, scored: bool) -> Draft:
         block, logits = self.draft_logits(feats, bonus, ctx_start, start, n)
-        spark = MarkovDraft.of(self.drafter, logits, block, bonus)
-        if spark is not None:  # DSpark: each slot's logits after the token drafted before it
-            trees = markov_trees(spark, budget, top_k)
-            return Draft(logits, trees, *verification(bonus, trees, chain=budget is None), spark)
-        hidden = block[:, self.drafter.config.draft_slots.start:]
-        selector = self.drafter.selector()
-        lattice = None if selector is None else Lattice(*selector.lattice(hidden, logits, bonus))
-        return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored, lattice), lattice)
+        extra = kind_draft(self.drafter, block, logits, bonus)
+        if isinstance(extra, MarkovDraft):  # DSpark: each slot's logits after the token drafted before it
+            trees = markov_trees(extra, budget, top_k)
+            return Draft(logits, trees, *verification(bonus, trees, chain=budget is None), extra)
+        return Draft(logits, *draft_trees(logits, bonus, budget, top_k, scored, extra), extra)
 
     @_passes
     def draft(self, bonus: Tensor, budget: int | None = None, top_k: int | None = TOP_K, scored: bool = False) -> Draft:

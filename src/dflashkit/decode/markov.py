@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflashkit.decode.tree import Trees, candidates, chains, selected
+from dflashkit.decode.tree import Lattice, Trees, candidates, chains, selected
 
 
 class MarkovDraft(NamedTuple):
@@ -124,3 +124,16 @@ def markov_tree(draft: MarkovDraft, budget: int, top_k: int | None) -> Trees:
         base += W  # the new beam is numbered after the one it extends
     cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
     return selected(cat(ranks), cat(parents), cat(tokens), cat(depths), budget, cat(expect) if expect else None)
+
+
+def kind_draft(drafter: Any, block: Tensor, logits: Tensor, roots: Tensor) -> Lattice | MarkovDraft | None:
+    """What a drafter of the family drafts from beside its unary logits [b, S, V], by kind: DSpark's
+    Markov draft, DFlash 2's lattice, nothing for DFlash. block [b, B', H]: the pass's hidden states
+    of every slot; roots [b]: each block's first token (the bonus). The decoding engine's draft
+    step and offline evaluation both take it from here."""
+    spark = MarkovDraft.of(drafter, logits, block, roots)
+    if spark is not None:
+        return spark
+    selector = drafter.selector()
+    hidden = block[:, drafter.config.draft_slots.start:]
+    return None if selector is None else Lattice(*selector.lattice(hidden, logits, roots))

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from dflashkit.decode.markov import MarkovDraft, markov_trees
+from dflashkit.decode.markov import MarkovDraft, kind_draft, markov_trees
 from dflashkit.decode.tree import Lattice, Trees, candidates, drafted, verification, walk
 from dflashkit.drafter import DFlashDrafter, training_hidden
 from dflashkit.evaluate.summary import method_labels, summarize
@@ -72,12 +72,9 @@ def drafted_blocks(drafter: DFlashDrafter, head: Target, item: FeatureItem, span
         part = anchors[i:i + chunk]
         h = training_hidden(drafter, head.embed, ids[None], feats, torch.tensor([part], device=dev))
         block = h.view(len(part), B, -1)
-        h = block[:, first:]
-        logits = head.lm_head(h)
+        logits = head.lm_head(block[:, first:])
         at = torch.tensor(part, device=dev)
-        selector = drafter.selector()
-        lattice = MarkovDraft.of(drafter, logits, block, ids[at]) or (
-            None if selector is None else Lattice(*selector.lattice(h, logits, ids[at])))
+        lattice = kind_draft(drafter, block, logits, ids[at])
         pos = at[:, None] + 1 + torch.arange(S + 1, device=dev)
         ends = torch.tensor([end_of[p] for p in part], device=dev)[:, None]
         yield part, logits, lattice, ids[at], torch.where(pos < ends, ids[pos.clamp(max=len(ids) - 1)], -1)
