@@ -146,6 +146,7 @@ def main() -> int:
     if rank == 0:
         print_table(rows)
         out = Path(args.out) / "bench_checkpoint.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1) + "\n")
         print(f"wrote {out}")
         shutil.rmtree(work, ignore_errors=True)

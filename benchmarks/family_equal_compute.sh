@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# DFlash against DFlash 2 at equal compute on the SmolLM2 testbed (one GPU): the same answers, the
-# same steps, each drafter's wall time recorded; from scratch, and fine-tuned from the bundled
-# DFlash drafter (DFlash 2 upgraded: its convolutions start as the identity, its selector fresh).
-# Then every drafter in one `dflashkit eval` run (greedy; T 0.7 with both acceptance rules).
+# The drafter family at equal compute on the SmolLM2 testbed (one GPU): DFlash, DFlash 2 and DSpark
+# trained on the same answers for the same steps, each run's wall time recorded; from scratch, and
+# fine-tuned from the bundled DFlash drafter (upgraded: DFlash 2's convolutions start as the
+# identity, its selector fresh; DSpark's Markov and confidence heads fresh). Then every drafter
+# trained, and the bundled one, in one `dflashkit eval` run (greedy; T 0.7 with both rules).
 #
 #   benchmarks/family_equal_compute.sh STAGE...     stages: data scratch finetune greedy sampled
 #
 # WORK (default runs/family) holds the data, the four runs and the reports; STEPS (default 600)
-# the optimiser steps of every run; PROMPTS (default self:12000) the prompts the target answers.
+# the optimiser steps of every run; PROMPTS (default self:12000) the prompts the target answers;
+# LIMIT (default: every prompt) the prompts per evaluation suite.
 set -euo pipefail
 WORK=${WORK:-runs/family}
 STEPS=${STEPS:-600}
@@ -32,14 +34,19 @@ for stage in "$@"; do
           data.prompts="$PROMPTS" "${GPU[@]}" ;;
     scratch)
       train dflash train.lr=6e-4
-      train dflash2 train.lr=6e-4 drafter.kind=dflash2 ;;
+      train dflash2 train.lr=6e-4 drafter.kind=dflash2
+      train dspark train.lr=6e-4 drafter.kind=dspark ;;
     finetune)
       train dflash_ft train.lr=2e-4 drafter.init_from=$BUNDLED
-      train dflash2_ft train.lr=2e-4 drafter.init_from=$BUNDLED drafter.kind=dflash2 ;;
+      train dflash2_ft train.lr=2e-4 drafter.init_from=$BUNDLED drafter.kind=dflash2
+      train dspark_ft train.lr=2e-4 drafter.init_from=$BUNDLED drafter.kind=dspark ;;
     greedy|sampled)
-      drafters=(--drafter dflash="$WORK/dflash/best" --drafter dflash2="$WORK/dflash2/best"
-                --drafter dflash_ft="$WORK/dflash_ft/best" --drafter dflash2_ft="$WORK/dflash2_ft/best")
+      drafters=(--drafter bundled="$BUNDLED")  # every run trained so far
+      for run in dflash dflash2 dspark dflash_ft dflash2_ft dspark_ft; do
+        [ -d "$WORK/$run/best" ] && drafters+=(--drafter "$run=$WORK/$run/best")
+      done
       extra=(); [ "$stage" = sampled ] && extra=(--temperature 0.7 --acceptance match,rejection)
+      [ -n "${LIMIT:-}" ] && extra+=(--limit "$LIMIT")
       dflashkit eval "${drafters[@]}" --budgets 64 "${extra[@]}" --out "$WORK/eval-$stage" "${GPU[@]}" ;;
     *) echo "unknown stage '$stage' (data scratch finetune greedy sampled)" >&2; exit 2 ;;
   esac
