@@ -378,6 +378,35 @@ def test_the_confidence_head_decides_how_much_to_verify(tiny_target, budget):
         assert curve.best_width(cost.tree_expectation(draft.trees.scores)) == width
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
+@torch.no_grad()
+def test_an_engine_without_the_confidence_head_scores_by_probabilities(tiny_target, engine):
+    """Built with confidence=False (bench_batch's '+cost', against '+conf'), an engine scores a
+    DSpark chain by the running sums of its biased conditionals' log-probabilities of the chosen
+    tokens; by default by the running sums of log sigmoid(confidence). The tokens are the same."""
+    from dflashkit.decode.engine import Engine
+    from dflashkit.decode.loop import make_engine
+
+    drafter = make_tiny_family(tiny_target, "dspark", family=dict(markov_head_type="gated"))
+    ref, conf = _ref_heads(drafter)
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 8, 2, 4])]
+    drafts = {}
+    for confidence in (True, False):
+        e = (Engine(tiny_target, drafter, confidence=confidence) if engine == "hf"
+             else make_engine(tiny_target, drafter, "static", confidence=confidence))
+        drafts[confidence] = e.draft(e.prefill(prompts, 64).argmax(-1), None, scored=True)
+    assert torch.equal(drafts[True].trees.tokens, drafts[False].trees.tokens)
+    spark = drafts[False].lattice
+    for row in range(2):
+        path = drafts[False].trees.tokens[row].tolist()
+        lp = [torch.log_softmax(_biased(ref, spark, row, path[:s]), -1)[t] for s, t in enumerate(path)]
+        torch.testing.assert_close(drafts[False].trees.scores[row], torch.stack(lp).cumsum(0), rtol=1e-4, atol=1e-4)
+        prev = torch.tensor([int(spark.first[row]), *path[:-1]])
+        c = F.logsigmoid(conf(torch.cat([spark.hidden[row], ref.markov_w1(prev)], -1))).cumsum(0)
+        torch.testing.assert_close(drafts[True].trees.scores[row], c, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(drafts[True].trees.scores, drafts[False].trees.scores, atol=1e-2)
+
+
 @pytest.mark.parametrize("first", [True, False])
 @torch.no_grad()
 def test_offline_dspark_tau_equals_online(tiny_target, first):

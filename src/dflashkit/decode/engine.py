@@ -276,8 +276,12 @@ class Engine:
     transfer: its accepted paths and tokens, which may arrive after the next round is queued."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, runner: Runner | None = None,
-                 draft_tokens: int | None = None, parts: Parts = Parts()) -> None:
+                 draft_tokens: int | None = None, parts: Parts = Parts(), confidence: bool = True) -> None:
         self.target, self.drafter = target, drafter
+        # Whether a drafter's confidence head (DSpark's) scores its drafts, the chance that the
+        # target accepts a path that cost-aware drafting reads; False: its probabilities do, as for
+        # the other kinds (a benchmark's baseline for the head, bench_batch's '+cost').
+        self.confidence = confidence
         # Positions a draft block holds, the bonus included: the drafter's block, or fewer
         # (`draft_tokens`): a shorter draft costs less to make and to verify, and where a round's
         # cost grows with its tokens (a GPU from batch 32) that outweighs the acceptance it gives
@@ -383,7 +387,7 @@ class Engine:
     def _draft_step(self, feats: Tensor, bonus: Tensor, ctx_start: Tensor, start: Tensor, n: int,
                     budget: int | None, top_k: int | None, scored: bool) -> Draft:
         block, logits = self.draft_logits(feats, bonus, ctx_start, start, n)
-        extra = kind_draft(self.drafter, block, logits, bonus)
+        extra = kind_draft(self.drafter, block, logits, bonus, self.confidence)
         if isinstance(extra, MarkovDraft):  # DSpark: each slot's logits after the token drafted before it
             trees = markov_trees(extra, budget, top_k)
             return Draft(logits, trees, *verification(bonus, trees, chain=budget is None), extra)
@@ -539,10 +543,11 @@ class Engine:
         if self.join_pass and small(m, bucket(max(map(len, prompts)), True), self.join_pass):
             if m not in self.stagings:
                 self.stagings[m] = Engine(self.target, self.drafter, self.run.twin(self.join_pass), draft_tokens,
-                                          replace(heads, small_pass=self.join_pass, geometric=True))
+                                          replace(heads, small_pass=self.join_pass, geometric=True), self.confidence)
             return self.stagings[m]
         self.eager_joins += 1
-        return Engine(self.target, self.drafter, getattr(self.run, "eager", self.run), draft_tokens, heads)
+        return Engine(self.target, self.drafter, getattr(self.run, "eager", self.run), draft_tokens, heads,
+                      self.confidence)
 
     def _prefill_joining(self, prompts: Sequence[Tensor]) -> tuple[Engine, Tensor]:
         """Prefill `prompts` on their own caches (`_stage`) -> that engine, the logits at each

@@ -362,7 +362,8 @@ def generate(engine: Engine, prompt_ids: Tensor, **kw: Any) -> Generation:
     return generate_batch(engine, [prompt_ids], **kw)[0]
 
 
-def make_engine(target: Any, drafter: Any, kind: str = "auto", draft_tokens: int | None = None) -> Engine:
+def make_engine(target: Any, drafter: Any, kind: str = "auto", draft_tokens: int | None = None,
+                confidence: bool = True) -> Engine:
     """'hf' (any Transformers model); 'static' (own layers, CUDA graphs on CUDA); or 'auto': for
     the targets the static runner supports, on CUDA static + torch.compile of the layer functions
     and of the drafter's step + fused q/k/v and gate/up weights, on a CPU static (with oneDNN's
@@ -370,15 +371,16 @@ def make_engine(target: Any, drafter: Any, kind: str = "auto", draft_tokens: int
     measured on each (docs/benchmarks.md); else hf. Hybrids
     with linear attention always run on the static runner (Transformers' layers cannot roll their
     state back). draft_tokens: tokens drafted a round (default: the drafter's block less the
-    bonus; fewer can pay where a round's cost grows with its tokens, docs/serving.md)."""
+    bonus; fewer can pay where a round's cost grows with its tokens, docs/serving.md). confidence:
+    whether a drafter's confidence head scores its drafts (`Engine`)."""
     if kind not in ("auto", "hf", "static"):
         raise ValueError(f"engine: expected 'auto', 'hf' or 'static', got {kind!r}")
     if kind == "hf" or (kind == "auto" and supported(target) is not None and "linear_attention" not in target.layer_kinds):
-        return Engine(target, drafter, draft_tokens=draft_tokens)
+        return Engine(target, drafter, draft_tokens=draft_tokens, confidence=confidence)
     gpu = kind == "auto" and target.device.type == "cuda"
     bf16 = kind == "auto" and drafter is not None and bf16_drafting(target)
     return static_engine(target, drafter, compile=gpu, compile_drafter=gpu, draft_dtype=torch.bfloat16 if bf16 else None,
-                         draft_tokens=draft_tokens)
+                         draft_tokens=draft_tokens, confidence=confidence)
 
 
 def bf16_drafting(target: Any) -> bool:

@@ -9,7 +9,8 @@ all depths as DDTree keeps them (`tree.selected`). With a confidence head, a nod
 expected acceptance of its path: the cumulative product of the confidences along it (a child
 other than its parent's most likely scaled by its probability against the most likely's), which
 cost-aware drafting (`cost.tree_expectation`) reads as the chance that the target accepts the
-path. Without one, scores are the drafter's summed log-probabilities, as DDTree's.
+path. Without one (or on an engine built to leave it out, `Engine`'s confidence), scores are the
+drafter's summed log-probabilities, as DDTree's.
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ class MarkovDraft(NamedTuple):
     state: Tensor | None = None  # [b, 1, r] `rnn`'s state entering the first drafting slot (None: zero)
 
     @classmethod
-    def of(cls, drafter: Any, unary: Tensor, block: Tensor, first: Tensor) -> MarkovDraft | None:
+    def of(cls, drafter: Any, unary: Tensor, block: Tensor, first: Tensor, confidence: bool = True
+           ) -> MarkovDraft | None:
         """A DSpark drafter's draft from its pass: unary logits [b, S, V] of the drafting slots,
         block [b, S or S + 1, H] the hidden states of every slot of the block (None for the other
         kinds). Bonus-first, an `rnn` head's state passes through slot 0 (after the bonus), as
-        training carries it along the whole block (`MarkovHead.block_inputs`)."""
+        training carries it along the whole block (`MarkovHead.block_inputs`). confidence False:
+        the draft leaves the confidence head out and is scored by its probabilities, as the other
+        kinds' (a benchmark's baseline for the head's scores, `Engine`)."""
         if drafter.config.kind != "dspark":
             return None
         cfg, markov = drafter.config, drafter.markov()
@@ -47,7 +51,8 @@ class MarkovDraft(NamedTuple):
         state = None
         if lead and markov is not None and markov.kind == "rnn":
             state = markov.step(markov.embed(first[:, None]), block[:, :lead], None)[1]
-        return cls(unary, block[:, lead:], first, markov, drafter.confidence(), cfg.confidence_head_with_markov, state)
+        head = drafter.confidence() if confidence else None
+        return cls(unary, block[:, lead:], first, markov, head, cfg.confidence_head_with_markov, state)
 
 
 def conditionals(draft: MarkovDraft, s: int, prev: Tensor, state: Tensor | None
@@ -126,12 +131,14 @@ def markov_tree(draft: MarkovDraft, budget: int, top_k: int | None) -> Trees:
     return selected(cat(ranks), cat(parents), cat(tokens), cat(depths), budget, cat(expect) if expect else None)
 
 
-def kind_draft(drafter: Any, block: Tensor, logits: Tensor, roots: Tensor) -> Lattice | MarkovDraft | None:
+def kind_draft(drafter: Any, block: Tensor, logits: Tensor, roots: Tensor, confidence: bool = True
+               ) -> Lattice | MarkovDraft | None:
     """What a drafter of the family drafts from beside its unary logits [b, S, V], by kind: DSpark's
     Markov draft, DFlash 2's lattice, nothing for DFlash. block [b, B', H]: the pass's hidden states
-    of every slot; roots [b]: each block's first token (the bonus). The decoding engine's draft
-    step and offline evaluation both take it from here."""
-    spark = MarkovDraft.of(drafter, logits, block, roots)
+    of every slot; roots [b]: each block's first token (the bonus); confidence: whether a
+    confidence head scores the Markov draft (`MarkovDraft.of`). The decoding engine's draft step
+    and offline evaluation both take it from here."""
+    spark = MarkovDraft.of(drafter, logits, block, roots, confidence)
     if spark is not None:
         return spark
     selector = drafter.selector()

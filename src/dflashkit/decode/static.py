@@ -669,7 +669,8 @@ LAYER_FUNCTIONS = (qkv, out_mlp, out_proj, linear_mix, attend_few)  # what `Stat
 def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_graphs: bool | None = None,
                   compile: bool = False, fuse: bool | None = None, compile_drafter: bool = False,
                   layer_ids: list[int] | None = None, pack: bool | None = None,
-                  draft_dtype: torch.dtype | None = None, draft_tokens: int | None = None) -> Engine:
+                  draft_dtype: torch.dtype | None = None, draft_tokens: int | None = None,
+                  confidence: bool = True) -> Engine:
     """An `Engine` whose target runs on `StaticRunner`; CUDA graphs (default on CUDA) capture the
     target's step and the commit (`graphed_commit`; neither with a mixture-of-experts MLP) and the
     drafter's step with its tree building. compile_drafter: torch.compile the drafter's pass (its
@@ -677,7 +678,8 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
     engine keeps (default: the drafter's). pack: oneDNN's packed weights for the target's layers
     and LM head, and for a copy of the drafter's projections (default: fp32 on a CPU, `packable`).
     draft_dtype: the drafter runs as a copy in this dtype (default: its own). draft_tokens: tokens
-    drafted a round (default: the drafter's block less the bonus; `Engine`)."""
+    drafted a round (default: the drafter's block less the bonus; `Engine`). confidence: whether a
+    drafter's confidence head scores its drafts (`Engine`)."""
     graphs = target.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and target.device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA target")
@@ -706,7 +708,7 @@ def static_engine(target: Target, drafter: DFlashDrafter | None = None, *, cuda_
         graph_accept=_accept_graphs if graphs else None,
         slot_bucket=SLOT_BUCKET, fixed_rows=graphs, small_pass=SMALL_PASS_TOKENS if small_passes else 0,
         join_pass=JOIN_PASS_TOKENS if small_passes else 0)
-    return Engine(target, drafter, runner, draft_tokens, parts)
+    return Engine(target, drafter, runner, draft_tokens, parts, confidence)
 
 
 def _compiled_draft(draft_logits: Callable[..., Tensor]) -> Callable[..., Tensor]:
