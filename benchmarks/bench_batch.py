@@ -25,12 +25,20 @@ turns for `--trials` timed passes each, and a row is its method's median trial (
 every trial's seconds). CUDA is synchronised before each clock read. "identical" counts rows
 whose tokens equal AR's at the same batch size and mode (greedy; bf16 near-ties may part).
 
+'+cost' and '+conf' decode cost-aware (`decode/cost.py`), and differ in what scores the draft,
+the chance that the target accepts a path: '+cost' the drafter's probabilities (today's rule),
+'+conf' its confidence head (a DSpark drafter's; refused for a drafter without one). Each runs on
+its own engine (`Engine`'s confidence), so both rules decode the same drafter in one process; plain
+dflash and ddtree-N decode on the default engine, which scores by the head where there is one.
+
     python benchmarks/bench_batch.py --prompts 8 --max-new-tokens 64 --json runs/bench-batch-cpu.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 32 --json out.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 128 \
         --max-new-tokens 64 --methods ar,dflash --modes groups,continuous --json out.json
     python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 32 --prompts 164 --repeat 4 \
         --max-new-tokens 256 --methods ar,dflash --modes continuous --draft-tokens 7 --trials 5 --json out.json
+    python benchmarks/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts 32 \
+        --drafter runs/dspark/best --methods ar,dflash+cost,dflash+conf,ddtree-16+cost,ddtree-16+conf --json out.json
 """
 
 from __future__ import annotations
@@ -40,9 +48,10 @@ import argparse
 import torch
 
 from bench_decode import add_baseline_options, apply_baseline_options
-from dflashkit.bench.batch import measure, parse_method, save, table
+from dflashkit.bench.batch import check_confidence, drafter_engines, measure, parse_method, save, table
 from dflashkit.checkpoint import load_drafter
 from dflashkit.commands import DRAFT_TOKENS_HELP, positive_int
+from dflashkit.decode.engine import round_block
 from dflashkit.decode.loop import make_engine
 from dflashkit.demo import bundled_drafter_dir
 from dflashkit.target import load_target
@@ -54,7 +63,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,2,4,8")
     p.add_argument("--methods", default="ar,dflash,ddtree-16", help="comma list of ar, dflash, ddtree-N; "
                    "'+cost' after dflash or ddtree-N decodes cost-aware (`decode/cost.py`: verify only the draft "
-                   "prefix that pays at this batch size, skip drafts that do not), e.g. dflash+cost")
+                   "prefix that pays at this batch size, skip drafts that do not) on the drafter's probabilities, "
+                   "'+conf' cost-aware on its confidence head (DSpark), e.g. dflash+cost,dflash+conf")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "static"))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default="groups",
@@ -101,18 +111,21 @@ def main() -> None:
         raise SystemExit(f"--methods must start with ar (the baselines are AR's), got {args.methods!r}")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or bundled_drafter_dir(), target, device=target.device, dtype=target.dtype)
+    drafter_name = str(args.drafter or "bundled smollm2-drafter")
+    check_confidence(methods, drafter, drafter_name)
     prompts = [pr.ids for pr in eval_prompts(load_prompts("humaneval", limit=args.prompts), target.tokenizer)] * args.repeat
     stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
 
-    ar, spec = make_engine(target, None, args.engine), make_engine(target, drafter, args.engine, args.draft_tokens)
+    ar = make_engine(target, None, args.engine)
+    spec = drafter_engines(target, drafter, methods, args.engine, args.draft_tokens)
     rows = measure(ar, spec, prompts, methods, sizes, modes, args.max_new_tokens, stops, args.refill, args.trials, args.json)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     settings = {"prompts": len(prompts), "repeat": args.repeat, "trials": args.trials, "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "refill": args.refill if "continuous" in modes else None,
                 "speedup_against_batch": sizes[0], "device": device, "dtype": args.dtype,
-                "engine": args.engine, "runner": type(spec.run).__name__, **baselines,
+                "engine": args.engine, "runner": type(ar.run).__name__, **baselines,
                 "threads": torch.get_num_threads(), "target": args.target or "SmolLM2-135M-Instruct (testbed)",
-                "drafter": str(args.drafter or "bundled smollm2-drafter"), "draft_tokens": spec.block - 1}
+                "drafter": drafter_name, "draft_tokens": round_block(drafter, args.draft_tokens) - 1}
     print(f"\n{settings}\n\n{table(rows)}")
     save(args.json, {"settings": settings, "rows": rows})
 

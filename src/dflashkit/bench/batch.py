@@ -5,16 +5,18 @@ command line; its docstring defines the columns)."""
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from dflashkit.checkpoint import atomic_write_json
 from dflashkit.decode.engine import Engine
 from dflashkit.decode.generation import Generation
-from dflashkit.decode.loop import generate_batch
+from dflashkit.decode.loop import generate_batch, make_engine
 from dflashkit.decode.static import Graphs
 
 WARM_PASSES = 3  # at most, before the timed one
@@ -27,12 +29,48 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def parse_method(label: str) -> tuple[str, int | None, bool]:
-    """'ar' | 'dflash' | 'ddtree-N', each but 'ar' optionally with '+cost' -> (method, budget, cost-aware)."""
-    name, _, budget = label.removesuffix("+cost").partition("-")
-    if name not in ("ar", "dflash", "ddtree") or (budget and not budget.isdigit()) or (name == "ar" and label != "ar"):
-        raise SystemExit(f"--methods: expected ar, dflash or ddtree-N (the last two optionally with +cost), got {label!r}")
-    return name, int(budget) if budget else None, label.endswith("+cost")
+class Label(NamedTuple):
+    """A --methods label: the method, DDTree's budget, whether it decodes cost-aware, and the
+    engine it decodes on: confidence, whether a drafter's confidence head scores its drafts
+    (`Engine`; False: its probabilities do, '+cost')."""
+
+    method: str
+    budget: int | None
+    cost_aware: bool
+    confidence: bool
+
+
+def parse_method(label: str) -> Label:
+    """'ar' | 'dflash' | 'ddtree-N', each but 'ar' optionally with '+cost' (cost-aware on the
+    drafter's probabilities, today's rule) or '+conf' (cost-aware on its confidence head) -> its
+    `Label`. Plain labels decode on the default engine, whose drafts a confidence head scores."""
+    m = re.fullmatch(r"ar|(dflash|ddtree-(\d+))(?:\+(cost|conf))?", label)
+    if m is None:
+        raise SystemExit(f"--methods: expected ar, dflash or ddtree-N (the last two optionally with +cost or "
+                         f"+conf), got {label!r}")
+    name, budget, scoring = m.groups()
+    return Label(name.partition("-")[0] if name else "ar", int(budget) if budget else None, scoring is not None,
+                 scoring != "cost")
+
+
+def check_confidence(methods: list[str], drafter: Any, name: str) -> None:
+    """'+conf' needs a drafter with a confidence head (DSpark's): refused in one line, before any
+    engine is built."""
+    conf = [m for m in methods if m.endswith("+conf")]
+    if conf and drafter.confidence() is None:
+        raise SystemExit(f"--methods: {','.join(conf)}: '+conf' scores drafts by a confidence head, and the drafter "
+                         f"{name} ({drafter.config.kind}) has none; use +cost")
+
+
+def drafter_engines(target: Any, drafter: Any, methods: list[str], kind: str, draft_tokens: int | None
+                    ) -> dict[bool, Engine]:
+    """The drafter's engines that `methods` decode on, by `Label.confidence`, each built only where
+    a label needs it (`make_engine`). Without a confidence head both scorings are the
+    probabilities': one engine serves both."""
+    wanted = {parse_method(m).confidence for m in methods if m != "ar"}
+    if wanted and drafter.confidence() is None:
+        return dict.fromkeys(wanted, make_engine(target, drafter, kind, draft_tokens))
+    return {c: make_engine(target, drafter, kind, draft_tokens, confidence=c) for c in wanted}
 
 
 def counting(engine: Engine, counts: dict[str, int], **keys: str) -> None:
@@ -48,7 +86,7 @@ def counting(engine: Engine, counts: dict[str, int], **keys: str) -> None:
 def plan(prompts: list[torch.Tensor], label: str, batch: int, max_new_tokens: int, stop_ids: set[int],
          continuous: bool = False, refill: float = 0.25) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
     """-> the groups of prompts one pass decodes and `generate_batch`'s keywords for them."""
-    method, budget, cost_aware = parse_method(label)
+    method, budget, cost_aware, _ = parse_method(label)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw: dict[str, Any] = dict(method=method, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                               cost_aware=cost_aware)
@@ -147,16 +185,17 @@ def rows_of(mode: str, batch: int, methods: list[str], runs: list[list[Run]], pr
     return rows
 
 
-def measure(ar: Engine, spec: Engine, prompts: list[torch.Tensor], methods: list[str], sizes: list[int],
-            modes: list[str], max_new_tokens: int, stop_ids: set[int], refill: float = 0.25, trials: int = 1,
-            json_path: str | None = None) -> list[dict]:
+def measure(ar: Engine, spec: Mapping[bool, Engine], prompts: list[torch.Tensor], methods: list[str],
+            sizes: list[int], modes: list[str], max_new_tokens: int, stop_ids: set[int], refill: float = 0.25,
+            trials: int = 1, json_path: str | None = None) -> list[dict]:
     """Every mode and batch size: untimed passes, then the timed trials; -> a row per method, with
     its tokens/s against AR's at the same batch size (`vs_ar`) and at the smallest (`speedup`).
-    `methods` starts with ar, which `ar` decodes; the others decode on `spec`."""
+    `methods` starts with ar, which `ar` decodes; the others decode on the drafter's engine of
+    their `Label.confidence` in `spec` (`drafter_engines`)."""
     rows: list[dict] = []
     for mode in modes:
         for batch in sizes:
-            work = [(ar if m == "ar" else spec,
+            work = [(ar if m == "ar" else spec[parse_method(m).confidence],
                      *plan(prompts, m, batch, max_new_tokens, stop_ids, mode == "continuous", refill)) for m in methods]
             warm(work)
             runs = take_turns(work, methods, trials, {"mode": mode, "batch": batch}, rows, json_path)
