@@ -15,9 +15,18 @@ timed steps (the first `--warmup` steps compile and are left out), whole-step MF
 2·N·tokens for the N parameters of the layers it runs, plus the drafter's counted FLOPs, against
 a bf16 matmul measured in the same run) and the peak memory.
 
+`--profile` then runs `--profile-steps` more steps of the first run under torch.profiler and writes
+bench_online-profile.json: the kernels' time per step by kind (matmul, attention, Gated DeltaNet,
+conv1d, elementwise, reduction, copy, optimizer, ...; `dflashkit.bench.profile`), each kind's
+heaviest kernels, the step's wall and device-busy time, and the timed steps' phases per step for
+comparison (profiled steps are slower and stay out of the timed figures). On a CPU the kinds are
+the operators' self times. `--trace` also writes the Chrome trace (large at real shapes).
+
     python benchmarks/bench_online.py --shape qwen3-8b --anchors 256,512
     python benchmarks/bench_online.py --shape qwen3.6-27b --anchors 256 train.optimizer_state=host
     python benchmarks/bench_online.py --tiny                 # CPU smoke test of the same code
+    python benchmarks/bench_online.py --shape qwen3.6-27b --anchors 256 --memory-cap 74 --steps 2 --warmup 1 \
+        --profile --profile-steps 1 train.optimizer_state=host
     torchrun --nproc-per-node 8 benchmarks/bench_online.py --shape qwen3.6-27b --batch 64 train.parallel=fsdp
 """
 
@@ -38,6 +47,7 @@ import torch
 
 from bench_train import matmul_ceiling, step_flops
 from dflashkit import train as train_mod
+from dflashkit.bench.profile import format_table, profiler, summarize
 from dflashkit.config import load_config
 from dflashkit.data import features as features_mod
 from dflashkit.data.chat import TokenizedSample
@@ -108,10 +118,10 @@ class Phases:
         yield
         self.spans.setdefault(name, []).append((start, self.mark()))
 
-    def ms(self, name: str, skip: int) -> list[float]:
+    def ms(self, name: str, skip: int, stop: int | None = None) -> list[float]:
         if self.cuda:
             torch.cuda.synchronize()
-        pairs = self.spans.get(name, [])[skip:]
+        pairs = self.spans.get(name, [])[skip:stop]
         return [a.elapsed_time(b) if self.cuda else 1e3 * (b - a) for a, b in pairs]
 
 
@@ -163,9 +173,12 @@ def target_flops(target: Target, taps_deepest: int, tokens: int) -> float:
 
 
 def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target, overrides: list[str],
-        ceiling: float | None) -> dict:
+        ceiling: float | None, profile: bool = False) -> dict:
+    """One run of `train()`: warm-up and timed steps, then with `profile` `--profile-steps` more
+    under the profiler (left out of the timed figures) -> the timed figures."""
     cuda = target.device.type == "cuda"
-    steps = args.warmup + args.steps
+    timed_end = args.warmup + args.steps
+    steps = timed_end + (args.profile_steps if profile else 0)
     samples = random_samples(args.batch * steps + 2, args.seq, args.prompt, target.vocab_size)
     if args.work:
         Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -181,11 +194,16 @@ def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target,
         torch.cuda.reset_peak_memory_stats()
     step_wall: list[float] = []
     real_step = train_mod.Trainer.step
+    prof = profiler(cuda) if profile else None
 
     def step(self, batches, n):
+        if prof is not None and len(step_wall) == timed_end:
+            prof.start()
         t = time.perf_counter()
         out = real_step(self, batches, n)  # ends in a host read of the step's statistics
         step_wall.append(time.perf_counter() - t)
+        if prof is not None and len(step_wall) == steps:
+            prof.stop()
         return out
 
     # No resumable checkpoint: at the 27B shape one is 26 GB (weights, master copy, moments).
@@ -196,15 +214,29 @@ def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target,
             train_mod.train(cfg, target=target, samples=samples)
     finally:
         train_mod.Trainer.step, train_mod.save_checkpoint = real_step, real_save
+        if prof is not None and timed_end <= len(step_wall) < steps:  # a step failed while profiled
+            prof.stop()
+    res = figures(shape_name, anchors, args, target, cfg, overrides, ceiling, phases, flops, step_wall)
+    if prof is not None and RANK == 0:
+        write_profile(prof, cuda, args, res, step_wall[timed_end:])
+    return res
+
+
+def figures(shape_name: str, anchors: int, args: argparse.Namespace, target: Target, cfg: Any, overrides: list[str],
+            ceiling: float | None, phases: Phases, flops: list[float], step_wall: list[float]) -> dict:
+    """The timed steps' medians (the steps after `--warmup`, before any profiled one), rates,
+    MFU and peak memory."""
+    cuda = target.device.type == "cuda"
     w, b = args.warmup, args.batch // WORLD  # this rank's samples per optimiser step
-    target_ms = statistics.median(phases.ms("target", w * b))  # per sample
-    acc_ms = statistics.median(phases.ms("accumulate", w))  # per optimiser step: b samples' target + f+b
-    update_ms = statistics.median(phases.ms("update", w))
+    end = w + args.steps
+    target_ms = statistics.median(phases.ms("target", w * b, end * b))  # per sample
+    acc_ms = statistics.median(phases.ms("accumulate", w, end))  # per optimiser step: b samples' target + f+b
+    update_ms = statistics.median(phases.ms("update", w, end))
     fb_ms = acc_ms / b - target_ms
-    wall = statistics.median(step_wall[w:])
-    host = phases.host_s[w * b:]
+    wall = statistics.median(step_wall[w:end])
+    host = phases.host_s[w * b:end * b]
     answer = args.seq - args.prompt
-    fl_drafter = statistics.fmean(flops[w * b:]) * b  # this rank's
+    fl_drafter = statistics.fmean(flops[w * b:end * b]) * b  # this rank's
     deepest = max(default_target_layer_ids(target.num_layers, cfg.drafter.num_taps))
     fl_target = target_flops(target, deepest, args.seq) * b
     res = {"shape": shape_name, "anchors": anchors, "seq": args.seq, "batch": args.batch, "gpus": WORLD,
@@ -225,6 +257,32 @@ def run(shape_name: str, anchors: int, args: argparse.Namespace, target: Target,
         res["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         res["reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     return res
+
+
+def write_profile(prof: Any, cuda: bool, args: argparse.Namespace, res: dict, wall_s: list[float]) -> None:
+    """bench_online-profile.json (and with `--trace` the Chrome trace) in --out: the profiled
+    steps' kinds, wall and device-busy time, beside the timed steps' phases scaled to a step."""
+    b = args.batch // WORLD
+    host = res["host_batch_ms_per_sample"]
+    report = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              **{k: res[k] for k in ("shape", "anchors", "seq", "batch", "gpus", "overrides")},
+              **summarize(prof, cuda, len(wall_s)),
+              "wall_ms_per_step": round(1e3 * statistics.fmean(wall_s), 1),
+              "timed_phases_ms_per_step": {  # from the timed (unprofiled) steps, bench_online.json's figures
+                  "step": round(1e3 * res["step_s"], 1),
+                  "target_forward": round(res["target_ms_per_sample"] * b, 1),
+                  "drafter_fwd_bwd": round(res["drafter_fwd_bwd_ms_per_sample"] * b, 1),
+                  "optimizer": res["optimizer_ms_per_step"],
+                  "host_batch_overlapped": None if host is None else round(host * b, 1)}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_online-profile.json").write_text(json.dumps(report, indent=1))
+    if args.trace:
+        prof.export_chrome_trace(str(out / "bench_online-profile-trace.json.gz"))
+    print(format_table(report))
+    print(f"wall {report['wall_ms_per_step']} ms/step profiled; timed phases per step (ms): "
+          f"{report['timed_phases_ms_per_step']}", flush=True)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -262,6 +320,11 @@ def main() -> int:
     ap.add_argument("--memory-cap", type=float, default=None, metavar="GIB",
                     help="cap the process's GPU memory (torch.cuda.set_per_process_memory_fraction): a run that "
                     "completes fits that much")
+    ap.add_argument("--profile", action="store_true", help="after the first run's timed steps, profile "
+                    "--profile-steps more and write bench_online-profile.json (kernel time by kind)")
+    ap.add_argument("--profile-steps", type=int, default=2, help="steps under the profiler (with --profile)")
+    ap.add_argument("--trace", action="store_true", help="with --profile, also write the Chrome trace "
+                    "(bench_online-profile-trace.json.gz; large at real shapes)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run (section.field=value)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -288,7 +351,8 @@ def main() -> int:
         for extra in variants:
             overrides = [*args.overrides, *extra]
             try:
-                r = run(shape_name, anchors, args, target, overrides, report["matmul_tflops"])
+                r = run(shape_name, anchors, args, target, overrides, report["matmul_tflops"],
+                        profile=args.profile and not report["runs"])
             except Exception as e:  # report and carry on (an out-of-memory run is a result)
                 r = {"shape": shape_name, "anchors": anchors, "overrides": overrides,
                      "error": f"{type(e).__name__}: {e}"[:2000]}
