@@ -9,7 +9,8 @@
 #
 # WORK (default runs/family) holds the data, the four runs and the reports; STEPS (default 600)
 # the optimiser steps of every run; PROMPTS (default self:12000) the prompts the target answers;
-# LIMIT (default: every prompt) the prompts per evaluation suite.
+# LIMIT (default: every prompt) the prompts per evaluation suite. An evaluation cut short resumes
+# by suite when run again.
 set -euo pipefail
 WORK=${WORK:-runs/family}
 STEPS=${STEPS:-600}
@@ -47,7 +48,7 @@ for stage in "$@"; do
       done
       extra=(); [ "$stage" = sampled ] && extra=(--temperature 0.7 --acceptance match,rejection)
       [ -n "${LIMIT:-}" ] && extra+=(--limit "$LIMIT")
-      dflashkit eval "${drafters[@]}" --budgets 64 "${extra[@]}" --out "$WORK/eval-$stage" "${GPU[@]}" ;;
+      dflashkit eval "${drafters[@]}" --budgets 64 "${extra[@]}" --resume --out "$WORK/eval-$stage" "${GPU[@]}" ;;
     *) echo "unknown stage '$stage' (data scratch finetune greedy sampled)" >&2; exit 2 ;;
   esac
 done
