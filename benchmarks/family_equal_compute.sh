@@ -7,7 +7,7 @@
 #
 #   benchmarks/family_equal_compute.sh STAGE...     stages: data scratch finetune greedy sampled
 #
-# WORK (default runs/family) holds the data, the four runs and the reports; STEPS (default 600)
+# WORK (default runs/family) holds the data, the runs and the reports; STEPS (default 600)
 # the optimiser steps of every run; PROMPTS (default self:12000) the prompts the target answers;
 # LIMIT (default: every prompt) the prompts per evaluation suite. An evaluation cut short resumes
 # by suite when run again.
