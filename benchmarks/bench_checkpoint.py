@@ -9,9 +9,9 @@ saves the part one rank of N holds (the first 1/N of each tensor's rows): the pe
 that N ranks imply, without the other ranks' traffic on the same disk and bus.
 
 Per save: the stall (how long the loop waits: for a background save, the copy of the state to
-host memory) and the total (until every shard and its sums are written). The first background save
-allocates its host copy (pinned, on the GPU); later ones reuse it, so `--saves` 2 or more shows the
-stall of a long job's saves.
+host memory) and the total (until every shard and its sums are written). The host copy (pinned, on
+the GPU) is made before the first save, as `train` makes it in the background when a job starts, and
+every save reuses it.
 
     python benchmarks/bench_checkpoint.py --shape qwen3.6-27b --work /local/disk
     python benchmarks/bench_checkpoint.py --shape qwen3.6-27b --share 8 --work /local/disk
@@ -92,7 +92,9 @@ def local_bytes(state: dict[str, Any]) -> int:
 
 def timed_saves(state: dict[str, Any], mode: str, saves: int, work: Path) -> list[dict[str, Any]]:
     """`saves` saves of `state` in `mode` ('sync' or 'async'), each into a fresh directory: the stall and the total."""
-    background = shardstate.Saves(TIMEOUT_S) if mode == "async" else None
+    background = shardstate.Saves(TIMEOUT_S, state, work) if mode == "async" else None
+    if background is not None:
+        background.wait()  # the host copy made as a job makes it at its start, before its first save
     rows = []
     for i in range(saves):
         directory = work / f"{mode}-{i}"

@@ -90,13 +90,15 @@ def test_short_name_cuts_long_template_names():
     assert short_name("void " + "k" * 300, width=50) == "k" * 47 + "..."
 
 
-def test_device_entries_sum_the_device_events_by_name_and_leave_host_events_out():
-    def event(name: str, device: DeviceType, start: float, end: float) -> SimpleNamespace:
+def test_device_entries_sum_the_device_events_by_name_and_leave_host_events_and_annotations_out():
+    def event(name: str, device: DeviceType, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
         span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
-        return SimpleNamespace(name=name, device_type=device, time_range=span)
+        return SimpleNamespace(name=name, device_type=device, time_range=span, is_user_annotation=annotation)
 
+    # a `record_function` range shows on the device's timeline too, over kernels counted already
     events = [event("aten::mm", DeviceType.CPU, 0, 50), event("nvjet_a", DeviceType.CUDA, 10, 30),
-              event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA, 20, 40), event("nvjet_a", DeviceType.CUDA, 60, 70)]
+              event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA, 20, 40), event("nvjet_a", DeviceType.CUDA, 60, 70),
+              event("Optimizer.step#HostAdamW.step", DeviceType.CUDA, 0, 100, annotation=True)]
     prof = SimpleNamespace(events=lambda: events)
     entries, busy = device_entries(prof)
     assert sorted(entries) == [Entry("Memcpy HtoD (Pinned -> Device)", 20, 1), Entry("nvjet_a", 30, 2)]

@@ -60,13 +60,20 @@ def save(state: dict[str, Any], directory: Path) -> None:
 class Saves:
     """Sharded saves in the background, one at a time: `start` waits for the save before it, copies
     the state to host memory (the loop's whole stall) and leaves the writing, the sums and `then`
-    to a thread. Their collectives run in a gloo group of their own, apart from training's."""
+    to a thread. Their collectives run in a gloo group of their own, apart from training's.
 
-    def __init__(self, timeout_s: float) -> None:
+    On the GPU the host copy is pinned and kept from one save to the next, and it is made when the
+    job starts, in the background (`state`; `where`: the checkpoints' folder): at the 27B drafter's
+    shape the save that made its 22 GB stalled the loop 20.8 s, the later ones 0.4 s (H100)."""
+
+    def __init__(self, timeout_s: float, state: dict[str, Any], where: Path) -> None:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.writer: FileSystemWriter | None = None
+        self.writer = _writer(where, cache=torch.cuda.is_available())
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflashkit-save")
         self.pending: Future | None = None
+        device = _device(state)
+        if device is not None:  # (what it copies now is overwritten by the first save)
+            self.pending = self.pool.submit(_staged, self.writer, state, device)
 
     def start(self, state: dict[str, Any], directory: Path, then: Callable[[float], None] | None) -> None:
         """`then(released)` runs once every rank's shards and the sums are written; `released`: when
@@ -74,8 +81,6 @@ class Saves:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        # On the GPU the host copy is kept (pinned) from one save to the next: no allocation per save.
-        self.writer = self.writer or _writer(directory, cache=torch.cuda.is_available())
         written = dcp.async_save(state, checkpoint_id=str(directory), storage_writer=self.writer,
                                  process_group=self.group)
         self.pending = self.pool.submit(self._complete, written, directory, then, time.perf_counter())
@@ -93,6 +98,19 @@ class Saves:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
+
+
+def _device(state: dict[str, Any]) -> torch.device | None:
+    """The CUDA device that `state`'s tensors live on, or None (a CPU's state: no pinned copy)."""
+    first = next(iter(state["params"].values()), None)
+    return first.device if first is not None and first.device.type == "cuda" else None
+
+
+def _staged(writer: FileSystemWriter, state: dict[str, Any], device: torch.device) -> None:
+    """The writer's pinned host copy of `state`, made once (on this rank's device: pinned memory
+    made on another would open a CUDA context on it)."""
+    torch.cuda.set_device(device)
+    writer.stage(state)
 
 
 def _share_sums(directory: Path, group: Any) -> None:

@@ -173,6 +173,15 @@ def _final_norm(model: nn.Module) -> nn.Module:
     return norm
 
 
+def fla_missing(target: Any) -> bool:
+    """The target has Gated DeltaNet layers and fla-core is not installed: Transformers runs their
+    PyTorch reference, which at the Qwen3.6-27B shape made the online training step 1.5x slower on
+    an H100 (1.54 samples/s against 2.38 with fla-core; docs/benchmarks.md)."""
+    import importlib.util
+
+    return "linear_attention" in target.layer_kinds and importlib.util.find_spec("fla") is None
+
+
 def layer_kinds(config: Any) -> list[str]:
     """Each decoder layer's attention kind: 'full_attention' or 'sliding_attention' (or another
     type the config names). A config with a sliding window but no `layer_types` (Mistral-7B-v0.1,

@@ -111,11 +111,13 @@ def profiler(cuda: bool) -> torch.profiler.profile:
 
 
 def device_entries(prof: torch.profiler.profile) -> tuple[list[Entry], float]:
-    """The device's kernels, copies and fills, summed by name, and the device's busy µs."""
+    """The device's kernels, copies and fills, summed by name, and the device's busy µs. The
+    ranges of `record_function` (an optimiser's step) also show on the device's timeline, over
+    kernels counted already: they are left out."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     spans = []
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             spans.append((e.time_range.start, e.time_range.end))
             totals[e.name][0] += e.time_range.elapsed_us()
             totals[e.name][1] += 1
