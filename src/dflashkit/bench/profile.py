@@ -135,7 +135,7 @@ def summarize(prof: torch.profiler.profile, cuda: bool, steps: int) -> dict[str,
     entries and, on a GPU, the device's busy time per step."""
     if cuda:
         entries, busy = device_entries(prof)
-        activity = "cuda kernels, copies and fills (device time)"
+        activity = "cuda kernels, copies and fills (time on the GPU)"
     else:
         entries, busy = cpu_entries(prof), None
         activity = "cpu operators (self CPU time): no GPU, so the kinds are about operators, not kernels"
