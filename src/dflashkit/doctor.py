@@ -336,9 +336,8 @@ def doctor(drafter_dir: str | Path, target: Any, *, data: str | Path | None = No
 def check_layers(target: Any) -> list[Finding]:
     """The target's layer kinds, the decoding engine that will run them and, for hybrids, which
     Gated DeltaNet kernels run where."""
-    import importlib.util
-
     from dflashkit.decode.static import supported
+    from dflashkit.target import fla_missing
 
     kinds = target.layer_kinds
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
@@ -361,7 +360,7 @@ def check_layers(target: Any) -> list[Finding]:
         found.append(Finding(OK, "mlp", f"mixture of experts ({cfg.num_experts} experts, {cfg.num_experts_per_tok} per "
                                         "token, Transformers' own module): the target's layers run without CUDA graphs "
                                         "(routing has data-dependent shapes); the drafter's step is still captured"))
-    if importlib.util.find_spec("fla") is None:
+    if fla_missing(target):
         found.append(Finding(WARNING, "kernels", "fla-core is not installed: extraction and online training run "
                                                  "Transformers' PyTorch fallbacks for the linear layers (correct, slow on "
                                                  "GPU); pip install 'dflashkit[fla]' there, then compare with "

@@ -1077,9 +1077,10 @@ def _setup(cfg, d: Dist, want: torch.device, target: Any, samples: Sequence[Any]
     trainer = Trainer(drafter, target.embed, head.weight, tc, total, device=device, dtype=dtype, d=d,
                       backend=backend, compile=compile_)
     batcher = Batcher(samples, feature_layer_ids, target, dcfg, tc, cfg.data.max_length, device, dtype)
-    if batcher.online_layers is not None and device.type == "cuda" and compile_target(cfg.target.compile, target):
+    online_gpu = batcher.online_layers is not None and device.type == "cuda"
+    if online_gpu and compile_target(cfg.target.compile, target):
         target.compile_layers(max(batcher.online_layers))
-    if batcher.online_layers is not None and device.type == "cuda" and fla_missing(target) and d.main:
+    if online_gpu and fla_missing(target) and d.main:
         log.warning("fla-core is not installed: the target's Gated DeltaNet layers run Transformers' PyTorch "
                     "reference, 1.5x slower a step at the Qwen3.6-27B shape (H100); pip install 'dflashkit[fla]'")
     start, best = 0, {"tau_sim": -1.0, "step": None}
