@@ -7,8 +7,8 @@
 #
 #   benchmarks/family_equal_compute.sh STAGE...     stages: data scratch timed finetune greedy sampled
 #
-# `timed` trains DFlash for the wall time DFlash 2's scratch run took (equal GPU time: the schedule is
-# fitted to the steps that fit, `train.time_budget_s`).
+# `timed` trains DFlash for the wall time each DFlash 2 run took, from scratch and fine-tuned (equal GPU
+# time: the schedule is fitted to the steps that fit, `train.time_budget_s`).
 #
 # WORK (default runs/family) holds the data, the runs and the reports; STEPS (default 600)
 # the optimiser steps of every run; PROMPTS (default self:12000) the prompts the target answers;
@@ -46,13 +46,18 @@ for stage in "$@"; do
           data.prompts="$PROMPTS" "${GPU[@]}" ;;
     scratch)
       for kind in $KINDS; do train "$kind" train.lr=6e-4 drafter.kind="$kind"; done ;;
-    timed)
-      train dflash_t train.lr=6e-4 train.max_steps=$((STEPS * 10)) train.time_budget_s="$(wall_of dflash2)" ;;
+    timed)  # for each DFlash 2 run recorded, DFlash for its wall time
+      grep -q '"run": "dflash2"' "$WORK/wall.jsonl" &&
+        train dflash_t train.lr=6e-4 train.max_steps=$((STEPS * 10)) train.time_budget_s="$(wall_of dflash2)"
+      grep -q '"run": "dflash2_ft"' "$WORK/wall.jsonl" &&
+        train dflash_ft_t train.lr=2e-4 drafter.init_from=$BUNDLED train.max_steps=$((STEPS * 10)) \
+            train.time_budget_s="$(wall_of dflash2_ft)"
+      true ;;
     finetune)
       for kind in $KINDS; do train "${kind}_ft" train.lr=2e-4 drafter.init_from=$BUNDLED drafter.kind="$kind"; done ;;
     greedy|sampled)
       drafters=(--drafter bundled="$BUNDLED")  # every run trained so far
-      for run in dflash dflash_t dflash2 dspark dflash_ft dflash2_ft dspark_ft; do
+      for run in dflash dflash_t dflash2 dspark dflash_ft dflash_ft_t dflash2_ft dspark_ft; do
         [ -d "$WORK/$run/best" ] && drafters+=(--drafter "$run=$WORK/$run/best")
       done
       extra=(); [ "$stage" = sampled ] && extra=(--temperature 0.7 --acceptance match,rejection)
