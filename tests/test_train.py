@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from dflashkit.checkpoint import load_drafter, load_training_state
 from dflashkit.config import load_config
 from dflashkit.drafter import default_target_layer_ids
-from dflashkit.train import Dist, lr_factor, step_items
+from dflashkit.train import Dist, built_ahead, lr_factor, step_items
 from train_job import BASE, file_size_limit, losses, run_job, spawn_rank
 
 HERE = Path(__file__).parent
@@ -445,6 +445,19 @@ def test_rounds_replayed_on_probes_equal_online_dflash(smollm2, tmp_path):
     online = sum(taus) / len(taus)
     assert online > 1.2  # the bundled drafter: rounds of several tokens, not a trivial τ = 1
     assert best["tau_rounds_probes"]["chat"] == pytest.approx(online, abs=1e-9)
+
+
+def test_a_step_builds_its_first_micro_batches_before_training_the_first():
+    """With the optimiser's state on the host, the first micro-batches' target forwards run while the
+    last update streams: built before the first is handed over, the rest one at a time, in order."""
+    built = []
+    batches = built_ahead(lambda g: built.append(g) or g * 10, [1, 2, 3, 4, 5], first=3)
+    assert built == []
+    assert next(batches) == 10 and built == [1, 2, 3]
+    assert next(batches) == 20 and next(batches) == 30 and built == [1, 2, 3]
+    assert next(batches) == 40 and built == [1, 2, 3, 4]
+    assert list(batches) == [50] and built == [1, 2, 3, 4, 5]
+    assert list(built_ahead(lambda g: g, [7], first=3)) == [7]
 
 
 def test_optimizer_state_on_the_host_trains_exactly_as_on_the_device_and_resumes_across(tmp_path, monkeypatch):

@@ -7,7 +7,9 @@ GPU in chunks at each optimiser step: upload a chunk, apply the same AdamW kerne
 on-device optimiser runs, write the bf16 weights, copy the chunk back. The arithmetic is the
 on-device optimiser's, element for element, so the two give the same weights; what it costs is
 the transfer (24 bytes per parameter per step over PCIe), paid once per optimiser step and not
-per micro-batch.
+per micro-batch. On a GPU the whole update runs on a stream of its own, so that the next step's
+target forwards (which do not read the drafter) run while it streams; `wait()` puts the drafter's
+next reader behind it.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ class HostAdamW(torch.optim.Optimizer):
         super().__init__(master, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
         self.groups = chunks([m.numel() * 4 for m in master], chunk_bytes)
         self._landed = None  # the last step's copies back to the host
+        self._updated = None  # the last step's writes of the model's weights
         if self.cuda:
             self.up, self.down = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            self.update = torch.cuda.Stream(self.device)
 
     @property
     def master(self) -> list[Tensor]:
@@ -106,10 +110,21 @@ class HostAdamW(torch.optim.Optimizer):
             self._landed = self.down.record_event()
 
     @torch.no_grad()
-    def step(self, grads=None) -> None:  # type: ignore[override]
-        """grads: index -> the fp32 gradient of parameter `index` on the device (scaled, clipped)."""
+    def step(self, grads=None, reads: list[Tensor] = ()) -> None:  # type: ignore[override]
+        """grads: index -> the fp32 gradient of parameter `index` on the device (scaled, clipped);
+        reads: the caller's tensors that `grads` reads (kept from reuse until the update has read them)."""
         if grads is None:
             raise TypeError("HostAdamW.step needs the gradients: step(grads=lambda i: ...)")
+        if not self.cuda:
+            return self._step(grads)
+        self.update.wait_stream(torch.cuda.current_stream(self.device))
+        for t in reads:
+            t.record_stream(self.update)
+        with torch.cuda.stream(self.update):
+            self._step(grads)
+            self._updated = self.update.record_event()
+
+    def _step(self, grads) -> None:
         g = self.param_groups[0]
         beta1, beta2 = g["betas"]
         staged = self._upload(self.groups[0])
@@ -125,8 +140,15 @@ class HostAdamW(torch.optim.Optimizer):
             self._download(staged)
             staged = nxt
 
+    def wait(self) -> None:
+        """Put the current stream's next work behind the last step's writes of the model's weights."""
+        if self._updated is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._updated)
+
     def synchronize(self) -> None:
-        """Wait until the host holds the last step's weights and moments (before reading them)."""
+        """Wait until the host holds the last step's weights and moments (before reading them), and
+        the model's weights are the update's."""
+        self.wait()
         if self._landed is not None:
             self._landed.synchronize()
 
