@@ -4,6 +4,7 @@ and from a DFlash drafter."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -489,3 +490,7 @@ def test_train_upgrades_a_dflash_drafter_to_dspark(tmp_path):
     trained = load_drafter(out / "final", target)
     assert trained.config.kind == "dspark" and not trained.config.sample_from_anchor
     assert trained.markov().markov_w2.weight.abs().sum() > 0  # trained from zero
+    # The upgrade's start is evaluated, but its confidence head is fresh: best/ is a trained one.
+    evals = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    assert evals == [0, 2] and json.loads((out / "best.json").read_text())["step"] == 2

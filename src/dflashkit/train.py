@@ -1009,8 +1009,11 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
     run = _setup(cfg, d, want, target, samples, feature_layer_ids, resume, probes)
     if run.eval_idx and run.start == 0 and cfg.drafter.init_from:
         # Fine-tuning: the starting drafter is a candidate too, so that best/ is never worse on
-        # the held-out split than what training started from (best.json says step 0 then).
-        _evaluate(run, 0)
+        # the held-out split than what training started from (best.json says step 0 then); not an
+        # upgrade that adds a confidence head: the head is fresh, and decoding trusts it to choose
+        # how much to draft.
+        fresh_head = run.dcfg.enable_confidence_head and load_config(cfg.drafter.init_from).kind != run.dcfg.kind
+        _evaluate(run, 0, candidate=not fresh_head)
     _loop(run, stop, t_begin)
     return _finish(run)
 
@@ -1241,15 +1244,16 @@ def _held_out(run: Run, idx: list[int]) -> dict[str, Any]:
                                 for items, counted in eval_items(idx, run.cfg.train.micro_batch_size, run.d))
 
 
-def _evaluate(run: Run, done: int) -> None:
-    """Held-out metrics at step `done`; `best/` follows the highest tau_sim."""
+def _evaluate(run: Run, done: int, candidate: bool = True) -> None:
+    """Held-out metrics at step `done`; `best/` follows the highest tau_sim among candidates."""
     ev = _held_out(run, run.eval_idx)
     run.metrics.log(done, "eval", ev)
     check_finite(done, {"loss": ev["loss"]})
     if run.d.main:
-        log.info("eval step %d: tau_sim %.3f (rounds replayed %.3f) acc %.3f loss %.4f (per slot %s)", done,
-                 ev["tau_sim"], ev["tau_rounds"], ev["acc"], ev["loss"], ev["slot_acc"])
-    if ev["tau_sim"] <= run.best["tau_sim"]:
+        log.info("eval step %d: tau_sim %.3f (rounds replayed %.3f) acc %.3f loss %.4f (per slot %s)%s", done,
+                 ev["tau_sim"], ev["tau_rounds"], ev["acc"], ev["loss"], ev["slot_acc"],
+                 "" if candidate else "; not a candidate for best/ (its confidence head is fresh)")
+    if not candidate or ev["tau_sim"] <= run.best["tau_sim"]:
         return
     best = {"tau_sim": ev["tau_sim"], "step": done}
     if "ece_hit" in ev:  # a confidence head's held-out calibration
