@@ -299,7 +299,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['shape']:<12}{r['anchors']:<8}{' '.join(r['overrides'])[:23]:<24}"
               + "".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols[3:])))
     print("target / f+b / host: per sample (micro-batch); opt: per optimiser step; f+b includes waiting for the "
-          "host's batch when the GPU outruns it")
+          "host's batch when the GPU outruns it, and with train.optimizer_state=host for the last update, which "
+          "streams on its own stream while the step's first target forwards run (opt: its part on the main stream)")
 
 
 def main() -> int:
