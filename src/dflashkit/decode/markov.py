@@ -86,10 +86,9 @@ def markov_chain(draft: MarkovDraft) -> Trees:
         logits, emb, state = conditionals(draft, s, prev, state)
         logits = logits.float()
         best, prev = logits.max(-1)  # [b, 1]
-        best = best - torch.logsumexp(logits, -1)
-        conf = log_confidence(draft, s, emb, 1)
+        conf = log_confidence(draft, s, emb, 1)  # with a head, no log-normaliser over the vocabulary
         tokens.append(prev)
-        scores.append(best if conf is None else conf)
+        scores.append(best - torch.logsumexp(logits, -1) if conf is None else conf)
     return chains(torch.cat(tokens, 1), torch.cat(scores, 1).cumsum(1))
 
 
