@@ -494,3 +494,5 @@ def test_train_upgrades_a_dflash_drafter_to_dspark(tmp_path):
     evals = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     assert evals == [0, 2] and json.loads((out / "best.json").read_text())["step"] == 2
+    # The curves have a fourth panel, the head's reliability diagram: 4 panels of 500 px.
+    assert int.from_bytes((out / "curves.png").read_bytes()[16:20], "big") == 2000

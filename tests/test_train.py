@@ -297,6 +297,7 @@ def test_real_pipeline_on_smollm2_cli(tmp_path):
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == drafter.config.target_layer_ids == default_target_layer_ids(30, 5)
     assert (out / "best" / "model.safetensors").is_file() and (out / "curves.png").stat().st_size > 10_000
+    assert int.from_bytes((out / "curves.png").read_bytes()[16:20], "big") == 1500  # 3 panels: no confidence head
 
 
 def test_time_budget_fits_the_schedule_to_the_steps_that_fit(tmp_path):

@@ -883,15 +883,22 @@ def read_metrics(path: Path) -> list[tuple[bytes, dict[str, Any]]]:
     return records
 
 
+# The family's own baseline beside its held-out tau_sim: what its new module adds.
+TAU_BASELINES = {"tau_unary": "its unary chain (the walk's gain)", "tau_unbiased": "without the Markov bias"}
+
+
 def plot_curves(metrics: Path, png: Path) -> None:
-    """Loss, accuracy and tau_sim against the step, from metrics.jsonl."""
+    """Loss, accuracy and tau_sim against the step, from metrics.jsonl; with a confidence head, the
+    reliability diagram of its last held-out evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [rec for _, rec in read_metrics(metrics)]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    evals = [x for x in rows if x["kind"] == "eval"]
+    calibrated = [x for x in evals if "reliability" in x]
+    fig, axes = plt.subplots(1, 3 + bool(calibrated), figsize=(5 * (3 + bool(calibrated)), 4))
     for kind, style in (("train", "-"), ("eval", "o-")):
         r = [x for x in rows if x["kind"] == kind]
         if not r:
@@ -899,19 +906,40 @@ def plot_curves(metrics: Path, png: Path) -> None:
         steps = [x["step"] for x in r]
         axes[0].plot(steps, [x["loss"] for x in r], style, label=kind)
         axes[1].plot(steps, [x["acc"] for x in r], style, label=kind)
-        if kind == "eval":
-            axes[2].plot(steps, [x["tau_sim"] for x in r], style, label="held-out")
-    for ax, title in zip(axes, ("loss", "slot accuracy (slots 1..B-1)", "tau_sim (simulated acceptance length)")):
+    if evals:
+        axes[2].plot([x["step"] for x in evals], [x["tau_sim"] for x in evals], "o-", label="held-out")
+    for key, label in TAU_BASELINES.items():
+        if any(key in x for x in evals):
+            axes[2].plot([x["step"] for x in evals if key in x], [x[key] for x in evals if key in x], "x--", label=label)
+    titles = ["loss", "slot accuracy (slots 1..B-1)", "tau_sim (simulated acceptance length)"]
+    if calibrated:
+        titles.append(_reliability_diagram(axes[3], calibrated[-1]))
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
-        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # no held-out evaluation: nothing to label
             ax.legend()
+    for ax in axes[:3]:
+        ax.set_xlabel("step")
     fig.tight_layout()
     try:
         atomic_save(lambda tmp: fig.savefig(tmp, dpi=100, format="png"), png)
     finally:
         plt.close(fig)
+
+
+def _reliability_diagram(ax: Any, ev: dict[str, Any]) -> str:
+    """A confidence head's held-out evaluation: per bin of predicted acceptance, the mean
+    prediction against Σ min(p, q) (what it is trained on) and against greedy acceptance -> title."""
+    bins = [b for b in ev["reliability"] if b["count"]]
+    predicted = [b["predicted"] for b in bins]
+    ax.plot([0, 1], [0, 1], ":", color="grey", label="calibrated")
+    ax.plot(predicted, [b["overlap"] for b in bins], "o-", label=f"sum min(p, q): ECE {ev['ece_overlap']:.3f}")
+    ax.plot(predicted, [b["hit"] for b in bins], "s-", label=f"greedy acceptance: ECE {ev['ece_hit']:.3f}")
+    ax.set_xlabel("predicted acceptance")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    return f"confidence head at step {ev['step']}"
 
 
 # ---- the job ---------------------------------------------------------------------------------
