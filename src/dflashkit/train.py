@@ -898,7 +898,8 @@ def plot_curves(metrics: Path, png: Path) -> None:
     rows = [rec for _, rec in read_metrics(metrics)]
     evals = [x for x in rows if x["kind"] == "eval"]
     calibrated = [x for x in evals if "reliability" in x]
-    fig, axes = plt.subplots(1, 3 + bool(calibrated), figsize=(5 * (3 + bool(calibrated)), 4))
+    panels = 3 + bool(calibrated)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     for kind, style in (("train", "-"), ("eval", "o-")):
         r = [x for x in rows if x["kind"] == kind]
         if not r:
@@ -1041,7 +1042,7 @@ def _train(cfg, d: Dist, want: torch.device, t_begin: float, target: Any, sample
         # upgrade that adds a confidence head: the head is fresh, and decoding trusts it to choose
         # how much to draft.
         fresh_head = run.dcfg.enable_confidence_head and load_config(cfg.drafter.init_from).kind != run.dcfg.kind
-        _evaluate(run, 0, candidate=not fresh_head)
+        _evaluate(run, 0, not_candidate="its confidence head is fresh" if fresh_head else None)
     _loop(run, stop, t_begin)
     return _finish(run)
 
@@ -1272,16 +1273,17 @@ def _held_out(run: Run, idx: list[int]) -> dict[str, Any]:
                                 for items, counted in eval_items(idx, run.cfg.train.micro_batch_size, run.d))
 
 
-def _evaluate(run: Run, done: int, candidate: bool = True) -> None:
-    """Held-out metrics at step `done`; `best/` follows the highest tau_sim among candidates."""
+def _evaluate(run: Run, done: int, not_candidate: str | None = None) -> None:
+    """Held-out metrics at step `done`; `best/` follows the highest tau_sim, except where
+    `not_candidate` says why this drafter may not be best/."""
     ev = _held_out(run, run.eval_idx)
     run.metrics.log(done, "eval", ev)
     check_finite(done, {"loss": ev["loss"]})
     if run.d.main:
         log.info("eval step %d: tau_sim %.3f (rounds replayed %.3f) acc %.3f loss %.4f (per slot %s)%s", done,
                  ev["tau_sim"], ev["tau_rounds"], ev["acc"], ev["loss"], ev["slot_acc"],
-                 "" if candidate else "; not a candidate for best/ (its confidence head is fresh)")
-    if not candidate or ev["tau_sim"] <= run.best["tau_sim"]:
+                 f"; not a candidate for best/ ({not_candidate})" if not_candidate else "")
+    if not_candidate or ev["tau_sim"] <= run.best["tau_sim"]:
         return
     best = {"tau_sim": ev["tau_sim"], "step": done}
     if "ece_hit" in ev:  # a confidence head's held-out calibration
